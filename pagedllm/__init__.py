@@ -1,0 +1,8 @@
+"""pagedllm: a high-throughput LLM inference engine with PagedAttention, CPU first."""
+
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

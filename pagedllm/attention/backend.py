@@ -1,0 +1,88 @@
+"""The attention-backend interface: the only place that touches the paged KV tensors.
+
+The scheduler and KV manager deal in block ids; the model runner turns them into an
+``AttentionMetadata`` once per step; each layer hands its q/k/v and its cache to a backend.
+
+Token layout of a step (decode sequences first, then prefill chunks)::
+
+    tokens:   | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |
+    seqs:       0    1    2    3             4
+    num_decodes = 3 (query length 1), query_start_loc = [0, 1, 2, 3, 7, 9]
+
+Sequence ``i`` attends over ``seq_lens[i]`` cached tokens (earlier chunks plus this step's),
+whose slots are ``block_tables[i][j // block_size] * block_size + j % block_size``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the flattened batch, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V goes to
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int64: context length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    # The same numbers as Python ints, so backends can slice without device syncs.
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+class AttentionBackend(ABC):
+    """Writes this step's K/V into the paged cache, then attends from the block tables.
+
+    Shapes: ``q`` [num_tokens, num_heads, head_dim]; ``k``/``v`` [num_tokens, num_kv_heads,
+    head_dim]; each cache [num_blocks, block_size, num_kv_heads, head_dim]. Returns
+    [num_tokens, num_heads, head_dim]. Causal: a query at context position p sees 0..p.
+    """
+
+    name: str
+
+    @staticmethod
+    def write_kv(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    from pagedllm.attention.reference import ReferenceAttention
+    from pagedllm.attention.torch_sdpa import TorchSDPAAttention
+
+    backends: dict[str, type[AttentionBackend]] = {
+        ReferenceAttention.name: ReferenceAttention,
+        TorchSDPAAttention.name: TorchSDPAAttention,
+    }
+    if name not in backends:
+        raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}")
+    return backends[name]()

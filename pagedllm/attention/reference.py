@@ -1,0 +1,40 @@
+"""Slow, obviously correct paged attention: one sequence at a time, explicit softmax in fp32."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached tokens of one sequence: [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    positions = torch.arange(length, device=cache.device)
+    slots = block_table[positions // block_size] * block_size + positions % block_size
+    return cache.flatten(0, 1)[slots]
+
+
+class ReferenceAttention(AttentionBackend):
+    name = "reference"
+
+    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        group = q.shape[1] // key_cache.shape[2]
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            qi = q[start : start + q_len].float()  # [q_len, H, D]
+            ki = gather_context(key_cache, meta.block_tables[i], ctx_len).float()
+            vi = gather_context(value_cache, meta.block_tables[i], ctx_len).float()
+            ki = ki.repeat_interleave(group, dim=1)  # [ctx, H, D]
+            vi = vi.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+            # Query row r sits at context position ctx_len - q_len + r.
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            k_pos = torch.arange(ctx_len, device=q.device)[None, :]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, vi).to(q.dtype)
+            start += q_len
+        return out

@@ -1,0 +1,54 @@
+"""Pure-torch paged attention: gather K/V by block table, then ``scaled_dot_product_attention``.
+
+Decode sequences (one query token each) run as one batched SDPA over their gathered,
+padded contexts; GQA is folded into the query axis ([B, kv_heads, group, D]) so K/V are
+never repeated. Prefill chunks run one SDPA each with a causal mask offset by the
+already-cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchSDPAAttention(AttentionBackend):
+    name = "torch_sdpa"
+
+    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        num_tokens, num_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            max_len = max(meta.seq_lens_list[:nd])
+            nb = -(-max_len // block_size)
+            table = meta.block_tables[:nd, :nb]
+            # [nd, nb, bs, Hkv, D] -> [nd, Hkv, nb*bs, D]
+            kd = key_cache[table].flatten(1, 2).transpose(1, 2)
+            vd = value_cache[table].flatten(1, 2).transpose(1, 2)
+            mask = torch.arange(nb * block_size, device=q.device)[None, :] < meta.seq_lens[:nd, None]
+            qd = q[:nd].view(nd, num_kv_heads, group, head_dim).to(kd.dtype)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale)
+            out[:nd] = od.reshape(nd, num_heads, head_dim).to(q.dtype)
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            q_len, ctx_len = meta.query_lens_list[i], meta.seq_lens_list[i]
+            nb = -(-ctx_len // block_size)
+            blocks = meta.block_tables[i, :nb]
+            ki = key_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
+            vi = value_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
+            qi = q[start : start + q_len].transpose(0, 1).to(ki.dtype)  # [H, q_len, D]
+            if q_len == ctx_len:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+                mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start : start + q_len] = oi.transpose(0, 1).to(q.dtype)
+            start += q_len
+        return out

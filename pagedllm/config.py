@@ -1,0 +1,63 @@
+"""Engine configuration: plain dataclasses, validated once, printed at startup."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "auto": "bfloat16"}
+
+# bf16 runs on AMX/AVX-512 units at several times fp32 matmul speed; fp32 is the
+# exactness reference used by the parity tests.
+DEFAULT_DTYPE = "bfloat16"
+# Like vLLM's VLLM_CPU_KVCACHE_SPACE default.
+DEFAULT_KV_CACHE_SPACE_GIB = 4.0
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+    name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of float32, bfloat16 (or auto), got {dtype!r}")
+    return _DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; ``None`` means "derive it" (see ``resolve``)."""
+
+    model: str | None = None
+    dtype: str = DEFAULT_DTYPE
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_space: float | None = None  # GiB
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    attention_backend: str = "torch_sdpa"
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_space is not None and not (self.kv_cache_space > 0):
+            raise ValueError(f"kv_cache_space must be positive (GiB), got {self.kv_cache_space!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,220 @@
+"""The engine: requests in, one scheduler step and one model step at a time, outputs out.
+
+    add_request -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update_from_output
+                -> RequestOutput for each finished request
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Mapping
+
+import torch
+
+from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
+from pagedllm.engine.request import Request
+from pagedllm.engine.stats import StatsLogger, StepStats
+from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+from pagedllm.logger import configure_logging
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.loader import load_weights, resolve_model
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.runner.model_runner import ModelRunner, kv_block_bytes
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedllm.tokenizer import load_tokenizer
+
+logger = logging.getLogger("pagedllm.engine")
+
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text alongside).
+PromptType = str | Mapping[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0):
+        configure_logging()
+        self.config = config
+        t0 = time.perf_counter()
+        self.source = resolve_model(config.model)
+        arch, state = load_weights(self.source)
+        self.arch = arch
+        max_model_len = config.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})"
+            )
+        self.max_model_len = max_model_len
+        dtype = config.torch_dtype
+        model = LlamaForCausalLM.from_hf_state_dict(arch, state, dtype, max_model_len)
+        del state
+        self.tokenizer = load_tokenizer(self.source)
+        eos = set(arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+
+        block_bytes = kv_block_bytes(arch, config.block_size, dtype)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            space = config.kv_cache_space or DEFAULT_KV_CACHE_SPACE_GIB
+            num_blocks = int(space * (1 << 30) // block_bytes)
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
+            self.kv_cache_manager,
+        )
+        self.runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            attention_backend=config.attention_backend,
+            seed=config.seed,
+        )
+        self.stats = StatsLogger(log_stats_interval)
+        self._request_counter = itertools.count()
+        num_tokens = num_blocks * config.block_size
+        logger.info("model: %s (%s, %s)", self.source.path, self.source.format, arch.architecture)
+        logger.info(
+            "config: %s",
+            ", ".join(f"{k}={v}" for k, v in {**config.to_dict(), "max_model_len": max_model_len}.items()),
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at %d tokens/request: %.2fx",
+            num_blocks,
+            config.block_size,
+            num_tokens,
+            num_blocks * block_bytes / (1 << 30),
+            str(dtype).removeprefix("torch."),
+            max_model_len,
+            num_tokens / max_model_len,
+        )
+        logger.info("engine ready in %.1f s (threads: %d)", time.perf_counter() - t0, torch.get_num_threads())
+
+    # ------------------------------------------------------------------ requests
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            if not ids:
+                raise ValueError("prompt_token_ids is empty")
+            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.arch.vocab_size})")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, Mapping) and "prompt" in prompt:
+            return self._prompt_tokens(prompt["prompt"])
+        raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_tokens(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(ids))
+        request = Request(
+            request_id=request_id if request_id is not None else self.next_request_id(),
+            prompt=text,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        self.runner.free_request(request_id)
+        return self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler + model step; return the requests that finished in it."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        sampled = self.runner.execute(sched_out)
+        prompt_tokens = sum(
+            max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens) - s.num_computed_tokens)
+            for s in sched_out.scheduled
+        )
+        finished = self.scheduler.update_from_output(sched_out, sampled)
+        for req in finished:
+            self.runner.free_request(req.request_id)
+        self.stats.record(
+            StepStats(
+                num_prompt_tokens=prompt_tokens,
+                num_generation_tokens=sum(t is not None for t in sampled),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_cache_usage=self.kv_cache_manager.usage(),
+                num_preemptions=len(sched_out.preempted_ids),
+            )
+        )
+        return [self._make_output(r) for r in finished]
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        params = req.sampling_params
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.status.finished,
+            num_preemptions=req.num_preemptions,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=req.finished_time,
+            ),
+        )
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.scheduler.num_preemptions_total
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

@@ -1,0 +1,84 @@
+"""A request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, blocks freed, to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids so far plus how many of them have K/V in the cache.
+
+    The scheduler's single invariant: each step, give the request tokens so that
+    ``num_computed_tokens`` catches up with ``num_tokens``. A prompt is "prefill" only in the
+    sense that many tokens are uncomputed; a decode step is one uncomputed token.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling_params.max_tokens is not None
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last generated token causes, if any."""
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

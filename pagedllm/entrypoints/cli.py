@@ -1,0 +1,77 @@
+"""The ``pagedllm`` command.
+
+``pagedllm serve`` will run the OpenAI-compatible server; until that lands it loads the model
+with the given engine flags and runs an offline generation demo over a few chat prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from pagedllm.config import DEFAULT_DTYPE, EngineConfig
+
+_DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning a new language.",
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, with vLLM's names."""
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "auto"], help="weights and activations dtype (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens per KV-cache block (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"], help="most requests running at once (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"], help="token budget of one step (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's context)")
+    g.add_argument("--kv-cache-space", type=float, default=None, help="KV-cache memory in GiB (default: 4)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-space)")
+    g.add_argument("--seed", type=int, default=defaults["seed"], help="seed of the engine's sampler (default: %(default)s)")
+    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["torch_sdpa", "reference"], help="paged-attention implementation (default: %(default)s)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    config = engine_config_from_args(args)
+    print("pagedllm: the HTTP server is not built yet; running an offline generation demo.", file=sys.stderr)
+    llm = LLM(**{k: v for k, v in config.to_dict().items()})
+    tok = llm.get_tokenizer()
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in _DEMO_QUESTIONS
+    ]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    for question, out in zip(_DEMO_QUESTIONS, outputs):
+        print(f"\n>>> {question}\n{out.outputs[0].text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-attention LLM inference, CPU first")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the model (for now: an offline generation demo)")
+    add_engine_args(serve)
+    serve.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
+    serve.set_defaults(func=_demo)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

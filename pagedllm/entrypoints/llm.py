@@ -1,0 +1,117 @@
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, in vLLM's shapes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import DEFAULT_DTYPE, EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate text for many prompts at once with continuous batching over a paged KV cache.
+
+    ``model`` is a GGUF file, a Hugging Face model directory, or None for the embedded
+    SmolLM2-135M-Instruct. ``dtype`` defaults to bfloat16 (fast on CPUs with AMX/AVX-512);
+    ``float32`` is the exactness reference.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = DEFAULT_DTYPE,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        kv_cache_space: float | None = None,
+        num_kv_blocks: int | None = None,
+        seed: int = 0,
+        attention_backend: str = "torch_sdpa",
+        log_stats_interval: float = 5.0,
+    ):
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kv_cache_space=kv_cache_space,
+            num_kv_blocks=num_kv_blocks,
+            seed=seed,
+            attention_backend=attention_backend,
+        )
+        self.llm_engine = LLMEngine(config, log_stats_interval=log_stats_interval)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        All prompts are validated before any is queued, so one bad prompt raises a
+        ValueError and leaves the engine as it was.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        engine = self.llm_engine
+        added: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                added.append(engine.add_request(prompt, params).request_id)
+        except Exception:
+            for request_id in added:
+                engine.abort_request(request_id)
+            raise
+        return self._run(added, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    in_toks += len(out.prompt_token_ids)
+                    out_toks += sum(len(o.token_ids) for o in out.outputs)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(
+                        f"est. speed input: {in_toks / elapsed:.1f} toks/s, output: {out_toks / elapsed:.1f} toks/s",
+                        refresh=False,
+                    )
+                    bar.update(1)
+        except BaseException:
+            # Leave no request behind holding blocks (e.g. on KeyboardInterrupt).
+            for request_id in request_ids:
+                if request_id not in results:
+                    engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,129 @@
+"""The pool of KV-cache blocks: reference counts and an ordered free queue.
+
+A block is free exactly when its reference count is 0; free blocks sit in a doubly linked
+queue so any of them can be taken out in O(1) (prefix caching revives freed blocks whose
+contents are still valid). New blocks are taken from the head; freed blocks join the tail,
+so the head is always the least recently freed block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Links of the free queue; both None while the block is in use.
+    prev_free: "KVBlock | None" = None
+    next_free: "KVBlock | None" = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove."""
+
+    def __init__(self, blocks: Iterable[KVBlock]):
+        # Sentinels keep the link updates branch-free.
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next_free
+        if first is self._tail or first is None:
+            raise RuntimeError("no free blocks")
+        self.remove(first)
+        return first
+
+    def __iter__(self):
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+class BlockPool:
+    """Owns every block; hands them out and takes them back by reference count."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return self.num_used_blocks / self.num_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            b = self.free_block_queue.popleft()
+            assert b.ref_cnt == 0
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add one reference to each block (sharing); a free block leaves the free queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_block_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the given order (it becomes eviction order)."""
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_block_queue.append(b)
+
+    def check_integrity(self) -> None:
+        """Free queue holds exactly the blocks with no references, each once."""
+        queued = [b.block_id for b in self.free_block_queue]
+        assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue corrupt"
+        unreferenced = {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        assert set(queued) == unreferenced, "free queue and reference counts disagree"
+        assert all(b.ref_cnt >= 0 for b in self.blocks)

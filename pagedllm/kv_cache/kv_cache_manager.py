@@ -1,0 +1,95 @@
+"""Per-request block tables on top of the block pool.
+
+A request's block table maps its logical blocks (token index // block_size) to physical
+blocks. Blocks are allocated as the request's computed tokens grow and freed, in reverse
+order, the moment it finishes or is preempted. ``fork`` shares a request's blocks with a
+new one (parallel sampling); a write into a shared, partly filled block first copies it
+(copy-on-write), and the copy is handed to the model runner as a (src, dst) pair.
+"""
+
+from __future__ import annotations
+
+from pagedllm.kv_cache.block_pool import BlockPool, KVBlock
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.block_pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` after the first ``num_computed_tokens``.
+
+        Returns False, changing nothing, when the pool has too few free blocks; the
+        scheduler then preempts someone and tries again.
+        """
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        end = num_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, self.num_blocks_for(end) - len(blocks))
+        # Existing blocks this step writes into that others still reference.
+        first = num_computed_tokens // self.block_size
+        last = min(len(blocks), self.num_blocks_for(end))
+        shared = [i for i in range(first, last) if blocks[i].ref_cnt > 1] if num_new_tokens else []
+        if num_new_blocks + len(shared) > self.block_pool.num_free_blocks:
+            return False
+        for i in shared:
+            (copy,) = self.block_pool.get_new_blocks(1)
+            self._pending_copies.append((blocks[i].block_id, copy.block_id))
+            self.block_pool.free_blocks([blocks[i]])
+            blocks[i] = copy
+        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        return True
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the same blocks as ``parent_id`` (shared, reference-counted)."""
+        if child_id in self.req_to_blocks and self.req_to_blocks[child_id]:
+            raise ValueError(f"request {child_id!r} already has blocks")
+        parent = self.req_to_blocks.get(parent_id, [])
+        self.block_pool.touch(parent)
+        self.req_to_blocks[child_id] = list(parent)
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks; its tail goes into the free queue first."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write (src, dst) block pairs the runner must apply before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def check_integrity(self) -> None:
+        """Every reference is held by exactly one block-table entry; free + used = total."""
+        self.block_pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.block_pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), f"{b} has {refs.get(b.block_id, 0)} owners"
+        assert self.block_pool.num_free_blocks + len(refs) == self.num_blocks

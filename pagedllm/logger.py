@@ -1,0 +1,21 @@
+"""Readable logs: one handler on the "pagedllm" logger, level from PAGEDLLM_LOGGING_LEVEL."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+
+
+def configure_logging() -> None:
+    root = logging.getLogger("pagedllm")
+    if getattr(root, "_pagedllm_configured", False):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    root.propagate = False
+    root._pagedllm_configured = True  # type: ignore[attr-defined]

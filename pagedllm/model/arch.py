@@ -1,0 +1,96 @@
+"""The architecture description every supported model is reduced to.
+
+GGUF metadata and Hugging Face ``config.json`` files name the same facts differently;
+both loaders translate into this one dataclass so the model code reads a single shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Architectures the Llama implementation serves. Mistral is Llama with another name;
+# Qwen2 adds a bias to the q/k/v projections.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelArch:
+    """Shapes and constants of a decoder-only Llama-family transformer."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    # The Hugging Face ``rope_scaling`` dict (None, or {"rope_type": "llama3", ...}).
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
+        """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        archs = cfg.get("architectures") or []
+        model_type = str(cfg.get("model_type", "")).lower()
+        if not model_type and archs:
+            model_type = archs[0].lower().removesuffix("forcausallm")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type or archs!r}; "
+                f"pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers 5 writes ``rope_parameters`` (with rope_theta inside); 4.x writes
+        # ``rope_theta`` and ``rope_scaling`` at the top level.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope_params or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling["rope_type"] = rope_type
+            if rope_type == "default":
+                scaling = None
+            elif rope_type != "llama3":
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        return cls(
+            architecture=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,148 @@
+"""Read a GGUF file into Hugging Face-named fp32 tensors plus a ModelArch.
+
+Quantized tensors are dequantized with the ``gguf`` package. llama.cpp's converter permutes
+the rows of the Q and K projections so that rotary pairs are adjacent (its "interleaved"
+RoPE layout); our model uses the Hugging Face "rotate half" layout, so those rows are put
+back here. Skipping that step gives a model that writes fluent nonsense.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation for one projection (weight or bias).
+
+    Within each head llama.cpp stores the rows as (pair index, 2) where Hugging Face stores
+    (2, pair index): swap those two axes back.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(rows, *rest)
+        .contiguous()
+    )
+
+
+def _open(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises many kinds of error on bad bytes
+        raise ValueError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from e
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch!r} in {path}; pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def meta(name: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF file {path} lacks the metadata key {arch}.{name}")
+        return value
+
+    num_heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", 0) or (len(tokens.data) if tokens else 0))
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelArch(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // num_heads),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    """Return the architecture and a Hugging Face-named fp32 state dict."""
+    from gguf.quants import dequantize
+
+    reader = _open(path)
+    arch = read_gguf_arch(reader, path)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = t.name
+        if name.startswith("blk."):
+            _, layer, suffix = name.split(".", 2)
+            hf = _LAYER_TENSORS.get(suffix)
+            if hf is None:
+                raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
+            hf = f"model.layers.{layer}.{hf}"
+        else:
+            hf = _GLOBAL_TENSORS.get(name)
+            if hf is None:
+                raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
+        try:
+            array = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ValueError(f"could not dequantize tensor {name!r} of {path}: {e}") from e
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # unquantized tensors are views of the read-only file map
+            array = array.copy()
+        tensor = torch.from_numpy(array)
+        # Only llama.cpp's "llama" converter permutes; qwen2 files keep the HF row order.
+        if arch.architecture in ("llama", "mistral"):
+            if ".q_proj." in hf:
+                tensor = unpermute_qk(tensor, arch.num_heads)
+            elif ".k_proj." in hf:
+                tensor = unpermute_qk(tensor, arch.num_kv_heads)
+        state[hf] = tensor
+    return arch, state
+
