@@ -56,8 +56,11 @@ def load_tokenizer(source: ModelSource) -> Any | None:
     logger.info("building the tokenizer from %s (cached for next time)", source.path.name)
     try:
         tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    except Exception as e:
-        raise ValueError(f"could not build a tokenizer from GGUF file {source.path}: {e}") from e
+    except Exception as e:  # e.g. a GGUF without tokenizer metadata
+        logger.warning(
+            "no usable tokenizer in %s (%s): only token-id prompts work and outputs have no text", source.path, e
+        )
+        return None
     # Save to a private folder, then rename: concurrent processes never see half a cache.
     tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
     try:

@@ -43,12 +43,17 @@ class TorchSDPAAttention(AttentionBackend):
             ki = key_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
             vi = value_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
             qi = q[start : start + q_len].transpose(0, 1).to(ki.dtype)  # [H, q_len, D]
+            # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow "math" kernel (5x).
             if q_len == ctx_len:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                oi = F.scaled_dot_product_attention(
+                    qi[None], ki[None], vi[None], is_causal=True, scale=scale, enable_gqa=group > 1
+                )
             else:
                 q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
                 mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start : start + q_len] = oi.transpose(0, 1).to(q.dtype)
+                oi = F.scaled_dot_product_attention(
+                    qi[None], ki[None], vi[None], attn_mask=mask, scale=scale, enable_gqa=group > 1
+                )
+            out[start : start + q_len] = oi[0].transpose(0, 1).to(q.dtype)
             start += q_len
         return out

@@ -74,6 +74,11 @@ class ModelArch:
                 scaling = None
             elif rope_type != "llama3":
                 raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        # Attention is full (no sliding window); it equals windowed attention up to the window.
+        window = cfg.get("sliding_window")
+        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            max_pos = min(max_pos, int(window))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -87,7 +92,7 @@ class ModelArch:
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             rope_scaling=scaling,

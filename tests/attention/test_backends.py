@@ -1,0 +1,108 @@
+"""The fast paged-attention backend against the reference, and the reference against dense attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
+
+
+def make_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
+    """Random ragged batch: decodes first, then prefill chunks (some with a cached prefix).
+
+    Returns (q, k, v, key_cache, value_cache, meta, dense) where ``dense`` holds each
+    sequence's full K/V in order, for the dense oracle.
+    """
+    g = torch.Generator().manual_seed(seed)
+    head_dim = 32
+    # (context length, query length): decodes, then prefills that are not block multiples.
+    shapes = [(1, 1), (17, 1), (block_size, 1), (3 * block_size + 5, 1), (40, 40), (2 * block_size + 3, 7), (9, 9)]
+    num_blocks = sum(math.ceil(c / block_size) for c, _ in shapes) + 5
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    tables, slots, qs, ks, vs, dense = [], [], [], [], [], []
+    for ctx, q_len in shapes:
+        nb = math.ceil(ctx / block_size)
+        blocks = [perm.pop() for _ in range(nb)]
+        tables.append(blocks)
+        full_k = torch.randn(ctx, num_kv_heads, head_dim, generator=g).to(dtype)
+        full_v = torch.randn(ctx, num_kv_heads, head_dim, generator=g).to(dtype)
+        for pos in range(ctx - q_len):  # the cached prefix is already in the blocks
+            b, o = blocks[pos // block_size], pos % block_size
+            key_cache[b, o], value_cache[b, o] = full_k[pos], full_v[pos]
+        for pos in range(ctx - q_len, ctx):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        qs.append(torch.randn(q_len, num_heads, head_dim, generator=g).to(dtype))
+        ks.append(full_k[ctx - q_len :])
+        vs.append(full_v[ctx - q_len :])
+        dense.append((full_k, full_v))
+    max_nb = max(len(t) for t in tables)
+    q_lens = [q for _, q in shapes]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (max_nb - len(t)) for t in tables]),
+        seq_lens=torch.tensor([c for c, _ in shapes]),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist())),
+        seq_lens_list=[c for c, _ in shapes],
+        query_lens_list=q_lens,
+        num_decodes=sum(q == 1 for q in q_lens),
+        block_size=block_size,
+    )
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), key_cache, value_cache, meta, dense
+
+
+def dense_attention(q, dense, meta, num_heads):
+    """Plain causal attention on each sequence's contiguous K/V (no blocks at all)."""
+    outs, start = [], 0
+    for (k, v), q_len in zip(dense, meta.query_lens_list):
+        ctx = k.shape[0]
+        qi = q[start : start + q_len].float().transpose(0, 1)
+        group = num_heads // k.shape[1]
+        ki = k.float().repeat_interleave(group, 1).transpose(0, 1)
+        vi = v.float().repeat_interleave(group, 1).transpose(0, 1)
+        scores = qi @ ki.transpose(1, 2) / math.sqrt(q.shape[-1])
+        allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        start += q_len
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_matches_dense_and_sdpa_matches_reference_fp32(block_size, heads, seed):
+    num_heads, num_kv_heads = heads
+    q, k, v, kc, vc, meta, dense = make_batch(seed, block_size, num_heads, num_kv_heads, torch.float32)
+    scale = 1 / math.sqrt(q.shape[-1])
+    ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    torch.testing.assert_close(ref, dense_attention(q, dense, meta, num_heads), atol=1e-5, rtol=1e-5)
+    fast = get_attention_backend("torch_sdpa").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_sdpa_matches_reference_bf16(block_size):
+    q, k, v, kc, vc, meta, _ = make_batch(3, block_size, 9, 3, torch.bfloat16)
+    scale = 1 / math.sqrt(q.shape[-1])
+    ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    fast = get_attention_backend("torch_sdpa").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_write_kv_lands_in_the_mapped_slots():
+    q, k, v, kc, vc, meta, _ = make_batch(4, 16, 4, 2, torch.float32)
+    get_attention_backend("torch_sdpa").forward(q, k, v, kc, vc, meta, 0.1)
+    flat_k = kc.flatten(0, 1)
+    torch.testing.assert_close(flat_k[meta.slot_mapping], k)
+    torch.testing.assert_close(vc.flatten(0, 1)[meta.slot_mapping], v)
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("flash-on-cpu")

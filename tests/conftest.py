@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random Llama-family models saved as Hugging Face directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Build a small random transformers model of ``model_type`` and save it to ``path``."""
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[model_type]
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+    }[model_type]
+    model = model_cls(config).eval()
+    # Random init gives near-uniform logits; sharpen them so greedy decoding has clear winners.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,0 +1,125 @@
+"""GGUF loading: llama.cpp's Q/K permutation is undone, names map, bad files fail clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.gguf_loader import unpermute_qk
+from tests.conftest import save_tiny_model
+from tests.model.test_hf_models import oracle_greedy
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The row permutation llama.cpp's converter applies to Q and K (its RoPE layout)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = np.random.default_rng(0).standard_normal((3 * 64, 10)).astype(np.float32)
+    back = unpermute_qk(torch.from_numpy(llama_cpp_permute(w, 3)), 3)
+    assert torch.equal(back, torch.from_numpy(w))
+    assert not np.array_equal(llama_cpp_permute(w, 3), w)
+
+
+def write_llama_gguf(hf_dir: Path, out: Path, arch: str = "llama") -> Path:
+    """Convert a tiny HF Llama to GGUF the way llama.cpp does (F32 tensors, permuted Q/K)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    state = {k: v.numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_eos_token_id(2)
+    names = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    w.add_tensor("output.weight", state["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, gg_name in names.items():
+            t = state[f"model.layers.{i}.{hf_name}.weight"]
+            if gg_name == "attn_q":
+                t = llama_cpp_permute(t, heads)
+            elif gg_name == "attn_k":
+                t = llama_cpp_permute(t, kv_heads)
+            w.add_tensor(f"blk.{i}.{gg_name}.weight", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_tiny_gguf_matches_transformers(tmp_path):
+    import transformers
+
+    hf_dir = save_tiny_model(tmp_path / "hf", seed=2)
+    gguf_file = write_llama_gguf(hf_dir, tmp_path / "tiny.gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    llm = LLM(str(gguf_file), dtype="float32", num_kv_blocks=32, log_stats_interval=1e9)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == oracle_greedy(hf, p, 10)
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ValueError, match="could not read GGUF file"):
+        LLM(str(bad))
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path):
+    good = write_llama_gguf(save_tiny_model(tmp_path / "hf"), tmp_path / "t.gguf")
+    data = good.read_bytes()
+    good.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(str(good))
+
+
+def test_gguf_of_unsupported_architecture_is_a_clear_error(tmp_path):
+    import gguf
+
+    out = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(out), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        LLM(str(out))
+
+
+def test_not_a_gguf_file_is_a_clear_error(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"hello")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        LLM(str(f))

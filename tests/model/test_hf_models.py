@@ -1,0 +1,110 @@
+"""Tiny random Llama-family models: pagedllm (fp32) must match transformers token for token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import save_tiny_model
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2": ("qwen2", {}),
+}
+
+
+def oracle_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy decoding by full recompute each token: slow and obviously right."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tiny_model_greedy_matches_transformers(tmp_path, variant):
+    import transformers
+
+    model_type, overrides = VARIANTS[variant]
+    path = save_tiny_model(tmp_path / variant, model_type, seed=1, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    # Lengths around and across block boundaries (block_size 16), in one batch.
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 40, 100)]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == oracle_greedy(hf, prompt, 12), f"prompt of {len(prompt)} tokens"
+        assert out.outputs[0].text == ""  # no tokenizer files in the directory
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == 64
+
+
+def test_config_reading_handles_both_transformers_layouts():
+    from pagedllm.model.arch import ModelArch
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    old = ModelArch.from_hf_config({**base, "model_type": "llama", "rope_theta": 5e5, "rope_scaling": scaling})
+    new = ModelArch.from_hf_config({**base, "model_type": "llama", "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    assert old.rope_theta == new.rope_theta == 5e5
+    assert old.rope_scaling["factor"] == new.rope_scaling["factor"] == 8.0
+    assert new.num_kv_heads == 2 and new.head_dim == 4
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    path = save_tiny_model(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_unsupported_rope_scaling_is_a_clear_error(tmp_path):
+    path = save_tiny_model(tmp_path / "m", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"))
+
+
+def test_corrupt_safetensors_is_a_clear_error(tmp_path):
+    path = save_tiny_model(tmp_path / "m")
+    (path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="could not read weights file"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_missing_weight_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model(tmp_path / "m")
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
