@@ -85,7 +85,14 @@ class LLMEngine:
         logger.info("model: %s (%s, %s)", self.source.path, self.source.format, arch.architecture)
         logger.info(
             "config: %s",
-            ", ".join(f"{k}={v}" for k, v in {**config.to_dict(), "max_model_len": max_model_len}.items()),
+            ", ".join(
+                f"{k}={v}"
+                for k, v in {
+                    **config.to_dict(),
+                    "dtype": f"{config.dtype} -> {str(dtype).removeprefix('torch.')}",
+                    "max_model_len": max_model_len,
+                }.items()
+            ),
         )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at %d tokens/request: %.2fx",

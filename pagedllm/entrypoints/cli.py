@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = {f.name: f.default for f in fields(EngineConfig)}
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "auto"], help="weights and activations dtype (default: %(default)s)")
+    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["auto", "bfloat16", "float32"], help="weights, activations and KV-cache dtype; auto = bfloat16 where the CPU has native bf16, else float32 (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens per KV-cache block (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"], help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"], help="token budget of one step (default: %(default)s)")
@@ -58,6 +58,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from pagedllm.bench import throughput
+
+    throughput.run(args, engine_config_from_args(args).to_dict())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-attention LLM inference, CPU first")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
     serve.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
     serve.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    tp = bench.add_parser("throughput", help="offline throughput on a standard workload")
+    add_engine_args(tp)
+    from pagedllm.bench import throughput
+
+    throughput.add_args(tp)
+    tp.set_defaults(func=_bench_throughput)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -17,8 +17,8 @@ class LLM:
     """Generate text for many prompts at once with continuous batching over a paged KV cache.
 
     ``model`` is a GGUF file, a Hugging Face model directory, or None for the embedded
-    SmolLM2-135M-Instruct. ``dtype`` defaults to bfloat16 (fast on CPUs with AMX/AVX-512);
-    ``float32`` is the exactness reference.
+    SmolLM2-135M-Instruct. ``dtype="auto"`` (default) is bfloat16 on CPUs that multiply it
+    natively (AMX / AVX512-BF16) and float32 elsewhere; ``float32`` is the exactness reference.
     """
 
     def __init__(

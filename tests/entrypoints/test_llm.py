@@ -1,0 +1,169 @@
+"""The offline LLM API on a tiny random model: shapes, ordering, bad input, block accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, RequestOutput, SamplingParams
+
+NUM_BLOCKS = 40
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=NUM_BLOCKS, max_model_len=256, log_stats_interval=1e9)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    kv = llm.llm_engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks == NUM_BLOCKS
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def tok(ids):
+    return {"prompt_token_ids": ids}
+
+
+def test_outputs_come_back_in_input_order_with_vllm_shapes(llm):
+    prompts = [tok([5] * n) for n in (30, 1, 12, 50)]
+    lens = [3, 7, 1, 5]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lens])
+    assert [len(o.prompt_token_ids) for o in outs] == [30, 1, 12, 50]
+    for out, m in zip(outs, lens):
+        assert isinstance(out, RequestOutput) and out.finished
+        (c,) = out.outputs
+        assert c.index == 0 and len(c.token_ids) == m and c.finish_reason == "length"
+    assert len({o.request_id for o in outs}) == 4
+    assert_all_blocks_free(llm)
+
+
+def test_single_token_prompt_dict_is_accepted(llm):
+    (out,) = llm.generate(tok([9, 8, 7]), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert out.prompt_token_ids == [9, 8, 7] and len(out.outputs[0].token_ids) == 2
+
+
+def test_batching_does_not_change_greedy_output(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(tok([3, 4, 5, 6]), params, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate([tok([7] * 40), tok([3, 4, 5, 6]), tok([1, 2])], params, use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_stop_token_ids_end_the_request(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (first,) = llm.generate(tok([3, 4, 5, 6]), params, use_tqdm=False)
+    stop_at = first.outputs[0].token_ids[2]
+    idx = first.outputs[0].token_ids.index(stop_at)
+    (out,) = llm.generate(
+        tok([3, 4, 5, 6]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at])
+    )
+    c = out.outputs[0]
+    assert c.token_ids == first.outputs[0].token_ids[: idx + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_at
+
+
+def test_eos_ends_the_request_unless_ignored(llm):
+    eos = 2
+    assert eos in llm.llm_engine.eos_token_ids  # the tiny config says eos_token_id=2
+    params = SamplingParams(temperature=1.0, max_tokens=60, seed=0)
+    outs = llm.generate([tok([11, 12])] * 6, params, use_tqdm=False)
+    for o in outs:
+        ids = o.outputs[0].token_ids
+        assert eos not in ids[:-1]
+        assert (o.outputs[0].finish_reason == "stop") == (ids[-1] == eos)
+
+
+def test_seed_makes_sampling_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate(tok([20, 21, 22]), seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = llm.generate([tok([9] * 30), tok([20, 21, 22]), tok([1, 2, 3])], [others, seeded, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, max_tokens=12, seed=4321, ignore_eos=True)
+    assert llm.generate(tok([20, 21, 22]), other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", None, "prompt is empty"),
+        (tok([]), None, "prompt_token_ids is empty"),
+        (tok([1, 2, 256]), None, "outside the vocabulary"),
+        (tok([1, -1]), None, "outside the vocabulary"),
+        (tok([1, "a"]), None, "list of integers"),
+        (tok([1] * 300), None, "max_model_len"),
+        (tok([1] * 200), SamplingParams(max_tokens=100), "exceeds max_model_len"),
+        (12345, None, "prompt must be"),
+        ("hello", None, "no tokenizer"),
+    ],
+)
+def test_bad_input_is_a_value_error_and_the_engine_keeps_working(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([tok([1, 2, 3]), prompt], params, use_tqdm=False)
+    assert_all_blocks_free(llm)  # the good prompt queued before the bad one was withdrawn
+    (out,) = llm.generate(tok([1, 2, 3]), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(seed="x"), "seed"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_request_bigger_than_the_pool_is_rejected_up_front(tiny_llama):
+    small = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=4, log_stats_interval=1e9)
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate(tok([1] * 60), SamplingParams(max_tokens=10), use_tqdm=False)
+    (out,) = small.generate(tok([1] * 30), SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 10
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs_and_frees_everything(tiny_llama, llm):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [tok(list(range(3 + i, 35 + i))) for i in range(6)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=8, log_stats_interval=1e9)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert tight.llm_engine.num_preemptions_total > 0
+    kv = tight.llm_engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == 8
+
+
+def test_mismatched_sampling_params_list_is_rejected(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([tok([1]), tok([2])], [SamplingParams()], use_tqdm=False)
+
+
+def test_engine_config_errors_name_the_field(tiny_llama):
+    for kwargs, field in [
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(dtype="float16x"), "dtype"),
+        (dict(num_kv_blocks=0), "num_kv_blocks"),
+        (dict(max_model_len=100000), "max_model_len"),
+        (dict(attention_backend="nope"), "attention_backend"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            LLM(str(tiny_llama), **kwargs)
+
+
+def test_two_engines_in_one_process_are_independent(tiny_llama, llm):
+    other = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, log_stats_interval=1e9)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    a = llm.generate(tok([4, 5, 6]), params, use_tqdm=False)[0].outputs[0].token_ids
+    b = other.generate(tok([4, 5, 6]), params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+    assert other.llm_engine.kv_cache_manager.num_blocks == 16
