@@ -6,14 +6,33 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """Log-probability of one token under the model's raw distribution."""
+
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+# One position's entries: the chosen token plus the top-k alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
-    """One generated sequence of a request."""
+    """One generated sequence of a request.
+
+    With streaming (delta) outputs, ``text``, ``token_ids`` and ``logprobs`` hold only what
+    is new since the previous output of the request.
+    """
 
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -34,5 +53,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_preemptions: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -1,10 +1,20 @@
-"""Per-request generation settings, with vLLM's names and defaults."""
+"""Per-request generation settings, with vLLM's names, defaults and validation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -12,31 +22,123 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     ``temperature=0`` is greedy decoding. ``seed`` gives the request its own random
-    generator, so its samples do not depend on what else is in the batch.
+    generator, so its samples do not depend on what else is in the batch. ``top_k`` of 0
+    or -1 turns top-k off. ``presence_penalty``/``frequency_penalty`` count generated tokens
+    only (OpenAI semantics); ``repetition_penalty`` counts prompt and generated tokens
+    (Hugging Face semantics). ``logprobs=k`` returns the top-k log-probabilities of the
+    model's raw distribution for each generated token, plus the sampled token's.
     """
 
     n: int = 1
     temperature: float = 1.0
-    max_tokens: int | None = 16
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n != 1:
-            # Parallel sampling (n > 1) arrives with the sampling issue.
-            raise ValueError(f"n must be 1 for now, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a non-negative number, got {self.temperature!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        self.stop_token_ids = self._token_list("stop_token_ids", self.stop_token_ids) or []
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
+            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._token_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.greedy:
+            self.temperature = 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @staticmethod
+    def _token_list(name: str, value: Any) -> list[int] | None:
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in value):
+            raise ValueError(f"{name} must be a list of non-negative token ids, got {value!r}")
+        return list(value)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids must exist in the model's vocabulary (checked when the request is added)."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or [] if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)

@@ -51,3 +51,20 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """The default model's tokenizer (built from its GGUF once, then cached on disk)."""
+    from pagedllm.model.loader import resolve_model
+    from pagedllm.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tok(tmp_path_factory, default_tokenizer) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (49,152 tokens): fast, with text."""
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-llama-tok"), vocab_size=49152, seed=3)
+    default_tokenizer.save_pretrained(str(path))
+    return path

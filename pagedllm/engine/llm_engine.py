@@ -15,13 +15,14 @@ from typing import Any, Mapping
 import torch
 
 from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
-from pagedllm.engine.request import Request
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.logger import configure_logging
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_weights, resolve_model
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner, kv_block_bytes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -80,6 +81,8 @@ class LLMEngine:
             seed=config.seed,
         )
         self.stats = StatsLogger(log_stats_interval)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
         num_tokens = num_blocks * config.block_size
         logger.info("model: %s (%s, %s)", self.source.path, self.source.format, arch.architecture)
@@ -136,88 +139,118 @@ class LLMEngine:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-    ) -> Request:
-        """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> str:
+        """Validate and queue a request; raises ValueError (and changes nothing) on bad input.
+
+        With ``n > 1`` the request runs as n sequences ("{i}_{request_id}") that share the
+        prompt's KV blocks; their outputs come back together under ``request_id``.
+        """
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.arch.vocab_size)
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            raise ValueError("stop strings need detokenize=True and a tokenizer")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer")
         text, ids = self._prompt_tokens(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(ids))
-        request = Request(
-            request_id=request_id if request_id is not None else self.next_request_id(),
-            prompt=text,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-        )
-        self.scheduler.add_request(request)
-        return request
+        request_id = request_id if request_id is not None else self.next_request_id()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        bad_words = self._bad_words_ids(params.bad_words or [])
+        samples = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                prompt=text,
+                prompt_token_ids=ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                parent_id=request_id,
+                index=i,
+                bad_words_token_ids=bad_words,
+            )
+            for i in range(params.n)
+        ]
+        samples[0].pending_forks = samples[1:]
+        self.scheduler.add_request(samples[0])
+        self.output_processor.add(samples, output_kind)
+        self._samples_of[request_id] = [r.request_id for r in samples]
+        return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort(request_id)
-        if req is None:
-            return None
-        self.runner.free_request(request_id)
-        return self._make_output(req)
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Token ids of each bad word, with and without a leading space (as vLLM)."""
+        out: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request (all its samples): blocks are freed at once."""
+        for sample_id in self._samples_of.pop(request_id, []):
+            req = self.scheduler.abort(sample_id)
+            if req is not None:
+                self.runner.free_request(sample_id)
+                self.output_processor.mark(req)
+        return self.output_processor.make_outputs()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler + model step; return the requests that finished in it."""
+        """Run one scheduler + model step; return outputs per the requests' output kinds."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            return []
-        sampled = self.runner.execute(sched_out)
+            return self.output_processor.make_outputs()
+        result = self.runner.execute(sched_out)
+        # Who each drawn token belongs to, before update_from_output forks pending samples.
+        targets = [[s.request, *s.request.pending_forks] if tokens else [] for s, tokens in zip(sched_out.scheduled, result.sampled)]
+        for owners, lps in zip(targets, result.logprobs):
+            for req, lp in zip(owners, lps):
+                if lp is not None:
+                    req.logprobs.append(lp)
+                    req.cumulative_logprob += lp.token_logprob
+        for s in sched_out.scheduled:
+            entries = result.prompt_logprobs.get(s.request.request_id)
+            if entries:
+                s.request.prompt_logprobs.extend(entries)
         prompt_tokens = sum(
             max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens) - s.num_computed_tokens)
             for s in sched_out.scheduled
         )
-        finished = self.scheduler.update_from_output(sched_out, sampled)
+        finished = self.scheduler.update_from_output(sched_out, result.sampled)
+        for owners in targets:
+            for req in owners:
+                stop = self.output_processor.on_new_tokens(req, 1)
+                if stop is not None:
+                    if req.status.finished:  # also hit max_tokens: the stop string wins
+                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                    else:
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                        finished.append(req)
         for req in finished:
             self.runner.free_request(req.request_id)
+            if all(self.scheduler.requests.get(r) is None for r in self._samples_of.get(req.parent_id, [])):
+                self._samples_of.pop(req.parent_id, None)
         self.stats.record(
             StepStats(
                 num_prompt_tokens=prompt_tokens,
-                num_generation_tokens=sum(t is not None for t in sampled),
+                num_generation_tokens=sum(len(t) for t in result.sampled),
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
                 kv_cache_usage=self.kv_cache_manager.usage(),
                 num_preemptions=len(sched_out.preempted_ids),
             )
         )
-        return [self._make_output(r) for r in finished]
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        params = req.sampling_params
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=req.status.finished,
-            num_preemptions=req.num_preemptions,
-            metrics=RequestMetrics(
-                arrival_time=req.arrival_time,
-                first_scheduled_time=req.first_scheduled_time,
-                first_token_time=req.first_token_time,
-                finished_time=req.finished_time,
-            ),
-        )
+        return self.output_processor.make_outputs()
 
     @property
     def num_preemptions_total(self) -> int:

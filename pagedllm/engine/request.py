@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.sampler.sampler import RowLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -36,6 +37,13 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    # Parallel sampling (n > 1): each sample is a Request; ``index`` is its place in the
+    # parent's outputs. Samples 1..n-1 wait in sample 0's ``pending_forks`` until its prompt
+    # is computed, then take its blocks by reference (no recompute of the prompt).
+    parent_id: str | None = None
+    index: int = 0
+    pending_forks: list["Request"] = field(default_factory=list)
+    fork_parent: "Request | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -45,9 +53,17 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Raw log-probabilities, filled only when the sampling params ask for them.
+    logprobs: list[RowLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # for prompt tokens 1..n-1
+    cumulative_logprob: float = 0.0
+    # Token ids of each of ``sampling_params.bad_words`` (tokenized when the request is added).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+        if self.parent_id is None:
+            self.parent_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,14 +86,20 @@ class Request:
         """The finished status the last generated token causes, if any."""
         last = self.output_token_ids[-1]
         params = self.sampling_params
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            self.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) > params.min_tokens:  # EOS/stop ids are banned before
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @property
+    def num_samples_due(self) -> int:
+        """Tokens to draw when this request's known tokens are all computed: itself + forks."""
+        return 1 + len(self.pending_forks)
 
     @property
     def finish_reason(self) -> str | None:

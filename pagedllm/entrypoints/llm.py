@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.config import DEFAULT_DTYPE, EngineConfig
+from pagedllm.engine.chat import render_chat
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -53,6 +54,39 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to a list of them.
+
+        The prompt is rendered with the tokenizer's chat template (the GGUF's for the
+        default model) unless ``chat_template`` is given.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, list) or not conversations:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        prompts = [
+            {
+                "prompt_token_ids": render_chat(
+                    self.get_tokenizer(),
+                    conv,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+            }
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -81,7 +115,7 @@ class LLM:
         added: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
-                added.append(engine.add_request(prompt, params).request_id)
+                added.append(engine.add_request(prompt, params))
         except Exception:
             for request_id in added:
                 engine.abort_request(request_id)

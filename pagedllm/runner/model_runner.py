@@ -7,14 +7,27 @@ backend and the sampler. The scheduler only ever sees block ids.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.sampler.sampler import Sampler, SamplingBatch
+from pagedllm.engine.request import Request
+from pagedllm.sampler.sampler import RowLogprobs, Sampler, SamplingBatch
 from pagedllm.scheduler.output import SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request (in SchedulerOutput order): tokens drawn - none mid-prompt, else
+    one for the request then one per pending fork - and their log-probabilities."""
+
+    sampled: list[list[int]]
+    logprobs: list[list[RowLogprobs | None]]
+    prompt_logprobs: dict[str, list[RowLogprobs]] = field(default_factory=dict)
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -56,14 +69,16 @@ class ModelRunner:
     def free_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """A seeded sequence's own generator; sample i of a request gets a seed derived from i."""
+        seed = req.sampling_params.seed
         if seed is None:
             return None
-        g = self._generators.get(request_id)
+        g = self._generators.get(req.request_id)
         if g is None:
             g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            self._generators[request_id] = g
+            g.manual_seed(seed if req.index == 0 else hash((seed, req.index)) & (2**63 - 1))
+            self._generators[req.request_id] = g
         return g
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -75,8 +90,8 @@ class ModelRunner:
             k.index_copy_(0, dst, k[src])
             v.index_copy_(0, dst, v[src])
 
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        """Run one step; return the sampled token for each scheduled request (None mid-prompt)."""
+    def execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
+        """Run one step: sampled tokens (and log-probabilities) for each scheduled request."""
         self._copy_blocks(out.block_copies)
         sched = out.scheduled
         # Decode rows (one query token) first: the backend batches them in one call.
@@ -120,21 +135,100 @@ class ModelRunner:
             meta,
         )
 
-        sample_rows = [row for row, i in enumerate(order) if sched[i].samples]
-        result: list[int | None] = [None] * len(sched)
-        if not sample_rows:
+        result = ModelRunnerOutput(sampled=[[] for _ in sched], logprobs=[[] for _ in sched])
+        self._prompt_logprobs(sched, order, query_start_loc, hidden, result)
+        # One sampling row per sequence due a token: the request, then its pending forks
+        # (parallel samples drawing from the same logits row).
+        row_hidden: list[int] = []
+        row_reqs: list[Request] = []
+        row_owner: list[int] = []
+        for row, i in enumerate(order):
+            s = sched[i]
+            if s.samples:
+                for target in (s.request, *s.request.pending_forks):
+                    row_hidden.append(int(query_start_loc[row + 1]) - 1)
+                    row_reqs.append(target)
+                    row_owner.append(i)
+        if not row_reqs:
             return result
-        last_token = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev)
-        logits = self.model.compute_logits(hidden[last_token])
-        params = [sched[order[row]].request.sampling_params for row in sample_rows]
-        batch = SamplingBatch(
-            temperatures=torch.tensor([p.temperature if not p.greedy else 0.0 for p in params], dtype=torch.float32),
-            generators=[
-                self._generator(sched[order[row]].request.request_id, p.seed) for row, p in zip(sample_rows, params)
-            ],
-            all_greedy=all(p.greedy for p in params),
-        )
-        tokens_out = self.sampler(logits, batch).tolist()
-        for row, tok in zip(sample_rows, tokens_out):
-            result[order[row]] = int(tok)
+        logits = self.model.compute_logits(hidden[torch.tensor(row_hidden, device=dev)])
+        out = self.sampler(logits, self._sampling_batch(row_reqs))
+        for i, tok, lp in zip(row_owner, out.token_ids, out.logprobs):
+            result.sampled[i].append(int(tok))
+            result.logprobs[i].append(lp)
         return result
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        params = [r.sampling_params for r in reqs]
+        batch = SamplingBatch(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            generators=[self._generator(r) for r in reqs],
+            num_logprobs=[p.logprobs for p in params],
+        )
+        if any(p.top_k > 0 for p in params):
+            batch.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        if any(p.top_p < 1 for p in params):
+            batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        if any(p.min_p > 0 for p in params):
+            batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        for row, (r, p) in enumerate(zip(reqs, params)):
+            if p.needs_penalties:
+                batch.penalty_rows.append(row)
+                batch.presence.append(p.presence_penalty)
+                batch.frequency.append(p.frequency_penalty)
+                batch.repetition.append(p.repetition_penalty)
+                batch.output_ids.append(r.output_token_ids)
+                batch.prompt_ids.append(r.prompt_token_ids if p.repetition_penalty != 1 else [])
+            if p.logit_bias:
+                batch.logit_bias.extend((row, t, b) for t, b in p.logit_bias.items())
+            if p.allowed_token_ids is not None:
+                batch.allowed.append((row, p.allowed_token_ids))
+            banned = self._banned_tokens(r)
+            if banned:
+                batch.banned.append((row, banned))
+        return batch
+
+    def _banned_tokens(self, r: Request) -> list[int]:
+        """EOS and stop ids before min_tokens; the last token of any bad word whose prefix just appeared."""
+        p = r.sampling_params
+        banned: list[int] = []
+        if len(r.output_token_ids) < p.min_tokens:
+            banned.extend(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned.extend(r.eos_token_ids)
+        for word_ids in r.bad_words_token_ids:
+            prefix = word_ids[:-1]
+            if not prefix or r.all_token_ids[-len(prefix) :] == prefix:
+                banned.append(word_ids[-1])
+        return banned
+
+    def _prompt_logprobs(self, sched, order, query_start_loc, hidden, result: "ModelRunnerOutput") -> None:
+        """Log-probabilities of prompt tokens 1..n-1 from this step's chunk, where asked for."""
+        for row, i in enumerate(order):
+            s = sched[i]
+            req = s.request
+            k = req.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            # Position p predicts prompt token p + 1; skip what an earlier pass recorded.
+            first = max(s.num_computed_tokens, len(req.prompt_logprobs))
+            last = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            base = int(query_start_loc[row]) - s.num_computed_tokens
+            logits = self.model.compute_logits(hidden[base + first : base + last])
+            logprobs = logits.log_softmax(dim=-1)
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logits.device)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0]
+            ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+            top = logprobs.topk(k, dim=-1) if k > 0 else None
+            result.prompt_logprobs.setdefault(req.request_id, [])
+            for j in range(last - first):
+                result.prompt_logprobs[req.request_id].append(
+                    RowLogprobs(
+                        token_logprob=float(chosen[j]),
+                        token_rank=int(ranks[j]),
+                        top_ids=top.indices[j].tolist() if top is not None else [],
+                        top_logprobs=top.values[j].tolist() if top is not None else [],
+                    )
+                )

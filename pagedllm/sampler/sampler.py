@@ -1,24 +1,108 @@
 """Turns the logits of a step into one token per sampling row, all rows at once.
 
-Greedy rows take the argmax. Random rows use the "exponential race": with E ~ Exp(1) per
-vocabulary entry, argmax(p / E) is a draw from p. The noise of a seeded request comes from
-its own generator, so its tokens do not depend on the rest of the batch.
+Order of operations (as vLLM): raw log-probabilities are taken first (what ``logprobs``
+reports); then allowed-token masks, banned tokens (bad words, EOS before ``min_tokens``),
+logit bias and penalties; greedy rows take the argmax of that; the others are divided by
+their temperature, filtered by min-p, top-k and top-p, and sampled.
+
+Sampling uses the "exponential race": with E ~ Exp(1) per vocabulary entry,
+argmax(p / E) is a draw from p. A seeded request draws its noise from its own generator,
+so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row parameters of the rows to sample this step."""
+    """Per-row parameters of the rows to sample this step (one row per generated sequence)."""
 
     temperatures: torch.Tensor  # [rows] fp32; 0 means greedy
-    generators: list[torch.Generator | None]  # per row: the request's own generator, or None
-    all_greedy: bool
+    generators: list[torch.Generator | None]  # per row: the sequence's own generator, or None
+    top_k: torch.Tensor | None = None  # [rows] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [rows] fp32, 1 = off
+    min_p: torch.Tensor | None = None  # [rows] fp32, 0 = off
+    # Penalties: rows that have any, with their parameters and token histories.
+    penalty_rows: list[int] = field(default_factory=list)
+    presence: list[float] = field(default_factory=list)
+    frequency: list[float] = field(default_factory=list)
+    repetition: list[float] = field(default_factory=list)
+    output_ids: list[list[int]] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    logit_bias: list[tuple[int, int, float]] = field(default_factory=list)  # (row, token, bias)
+    allowed: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, allowed token ids)
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, banned token ids)
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row; None = not requested
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperatures == 0).all())
+
+
+@dataclass
+class RowLogprobs:
+    """Raw log-probabilities for one sampled row."""
+
+    token_logprob: float
+    token_rank: int  # 1-based rank of the sampled token in the raw distribution
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[RowLogprobs | None]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place, on the penalized rows: repetition (HF), then frequency and presence (OpenAI)."""
+    rows = torch.tensor(batch.penalty_rows, device=logits.device)
+    sub = logits[rows]
+    vocab = logits.shape[1]
+    counts = torch.zeros_like(sub)
+    in_prompt = torch.zeros_like(sub, dtype=torch.bool)
+    for i, (out_ids, prompt_ids) in enumerate(zip(batch.output_ids, batch.prompt_ids)):
+        if out_ids:
+            ids = torch.tensor(out_ids, device=logits.device)
+            counts[i].index_add_(0, ids, torch.ones(len(out_ids), device=logits.device))
+        if prompt_ids:
+            in_prompt[i, torch.tensor(prompt_ids, device=logits.device)] = True
+    rep = torch.tensor(batch.repetition, device=logits.device)[:, None]
+    seen = in_prompt | (counts > 0)
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    freq = torch.tensor(batch.frequency, device=logits.device)[:, None]
+    pres = torch.tensor(batch.presence, device=logits.device)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    assert sub.shape[1] == vocab
+    logits[rows] = sub
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) what min-p, top-k and top-p remove; logits are temperature-scaled."""
+    neg_inf = float("-inf")
+    if batch.min_p is not None and bool((batch.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = batch.min_p.to(logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    if batch.top_k is not None and bool((batch.top_k > 0).any()):
+        vocab = logits.shape[1]
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab).to(logits.device)
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if batch.top_p is not None and bool((batch.top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (keeps at least one).
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= batch.top_p.to(logits.device)[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    return logits
 
 
 class Sampler:
@@ -26,23 +110,65 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits [rows, vocab] fp32 -> token ids [rows] int64."""
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy_tokens
-        temps = batch.temperatures.to(logits.device)
-        is_greedy = temps == 0
-        probs = torch.softmax(logits / torch.where(is_greedy, 1.0, temps)[:, None], dim=-1)
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [rows, vocab] fp32 -> one token (and optional logprobs) per row."""
+        want_logprobs = any(k is not None for k in batch.num_logprobs)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+
+        if batch.allowed or batch.banned or batch.logit_bias or batch.penalty_rows:
+            logits = logits.clone()
+        for row, ids in batch.allowed:
+            keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+            keep[ids] = True
+            logits[row].masked_fill_(~keep, float("-inf"))
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+        if batch.logit_bias:
+            rows, toks, biases = zip(*batch.logit_bias)
+            logits.index_put_(
+                (torch.tensor(rows), torch.tensor(toks)), torch.tensor(biases, dtype=logits.dtype), accumulate=True
+            )
+        if batch.penalty_rows:
+            apply_penalties(logits, batch)
+
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            temps = batch.temperatures.to(logits.device)
+            is_greedy = temps == 0
+            scaled = logits / torch.where(is_greedy, 1.0, temps)[:, None]
+            scaled = apply_top_k_top_p_min_p(scaled, batch)
+            probs = scaled.softmax(dim=-1)
+            noise = self._noise(probs, batch.generators)
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(is_greedy, tokens, sampled)
+
+        token_list = tokens.tolist()
+        row_logprobs: list[RowLogprobs | None] = [None] * len(token_list)
+        if raw_logprobs is not None:
+            k_max = max(k for k in batch.num_logprobs if k is not None)
+            top = raw_logprobs.topk(k_max, dim=-1) if k_max > 0 else None
+            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+            ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
+            for row, k in enumerate(batch.num_logprobs):
+                if k is None:
+                    continue
+                row_logprobs[row] = RowLogprobs(
+                    token_logprob=float(chosen[row]),
+                    token_rank=int(ranks[row]),
+                    top_ids=top.indices[row, :k].tolist() if top is not None else [],
+                    top_logprobs=top.values[row, :k].tolist() if top is not None else [],
+                )
+        return SamplerOutput(token_list, row_logprobs)
+
+    def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):
+            return noise.exponential_(generator=self.generator)
         if unseeded:
-            rows = noise[unseeded] if len(unseeded) < len(batch.generators) else noise
-            rows.exponential_(generator=self.generator)
-            if len(unseeded) < len(batch.generators):
-                noise[unseeded] = rows
-        for i, g in enumerate(batch.generators):
+            rows = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            noise[unseeded] = rows.exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+        return noise

@@ -46,18 +46,32 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
+        # Parallel samples share the prompt's blocks; each needs its own tail (+1 for a
+        # copied partial block).
+        n = request.num_samples_due
         needed = self.kv.num_blocks_for(total)
+        if n > 1:
+            needed = max(needed, self.kv.num_blocks_for(request.num_prompt_tokens) + n * (self.kv.num_blocks_for(request.max_tokens) + 1))
         if needed > self.kv.num_blocks:
             raise ValueError(
-                f"request needs {needed} KV blocks for {total} tokens but the pool holds only "
-                f"{self.kv.num_blocks}; raise kv_cache_space/num_kv_blocks or lower max_tokens"
+                f"request needs {needed} KV blocks for {total} tokens"
+                + (f" x {n} samples" if n > 1 else "")
+                + f" but the pool holds only {self.kv.num_blocks}; raise kv_cache_space/num_kv_blocks or lower max_tokens"
             )
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; its ``pending_forks`` (parallel samples) are registered with it."""
         self.check_request(request)
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        ids = [request.request_id] + [f.request_id for f in request.pending_forks]
+        for rid in ids:
+            if rid in self.requests:
+                raise ValueError(f"request_id {rid!r} is already in use")
         self.requests[request.request_id] = request
+        for fork in request.pending_forks:
+            fork.fork_parent = request
+            self.requests[fork.request_id] = fork
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -85,8 +99,10 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests, unless someone was just preempted for lack of blocks.
-        while self.waiting and not out.preempted_ids and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and not out.preempted_ids and budget > 0:
             req = self.waiting[0]
+            if len(self.running) + req.num_samples_due > self.config.max_num_seqs:
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
                 break
@@ -114,37 +130,62 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ----------------------------------------------------------------- after the forward
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, retire finished requests."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, retire finished requests.
+
+        ``sampled[i]`` holds the tokens drawn for ``out.scheduled[i]``: none mid-prompt, else
+        one for the request followed by one for each of its pending forks, which now take
+        the request's blocks by reference and join the running queue.
+        """
         finished: list[Request] = []
         now = time.monotonic()
-        for sched, token in zip(out.scheduled, sampled):
+        for sched, tokens in zip(out.scheduled, sampled):
             req = sched.request
             req.num_computed_tokens += sched.num_new_tokens
-            if token is None:
+            if not tokens:
                 continue
-            req.append_output_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            status = req.check_stop()
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
+            forks, req.pending_forks = req.pending_forks, []
+            for fork in forks:
+                self.kv.fork(req.request_id, fork.request_id)
+                fork.num_computed_tokens = req.num_computed_tokens
+                fork.status = RequestStatus.RUNNING
+                fork.first_scheduled_time = req.first_scheduled_time
+                fork.fork_parent = None
+                self.running.append(fork)
+            for target, token in zip([req, *forks], tokens):
+                target.append_output_token(token)
+                if target.first_token_time is None:
+                    target.first_token_time = now
+                status = target.check_stop()
+                if status is not None:
+                    self.finish(target, status)
+                    finished.append(target)
         return finished
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is None or req.status.finished:
             return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Retire a request now (also used by the engine for stop strings); frees its blocks."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req.fork_parent is not None:  # a parallel sample not yet forked
+            req.fork_parent.pending_forks.remove(req)
+            req.fork_parent = None
+        for fork in list(req.pending_forks):
+            # Sample 0 ends before its prompt is done: its forks start on their own.
+            fork.fork_parent = None
+            self.waiting.append(fork)
+        req.pending_forks = []
         req.status = status
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
         req.finished_time = time.monotonic()
         self.kv.free(req.request_id)
         del self.requests[req.request_id]

@@ -86,7 +86,7 @@ def step(sched: Scheduler, token_fn=fake_token) -> tuple[SchedulerOutput, list[R
     # ``samples`` reads the live request, so it must be evaluated before the update.
     sampled = [token_fn(s.request) if s.samples else None for s in out.scheduled]
     out.sampled = sampled  # kept for the tests' inspection
-    finished = sched.update_from_output(out, sampled)
+    finished = sched.update_from_output(out, [[] if t is None else [t] for t in sampled])
     for req in finished:
         assert req.status.finished
         assert req not in sched.running and req not in sched.waiting

@@ -1,0 +1,65 @@
+"""Incremental detokenization with stop strings.
+
+Tokens are decoded one at a time with ``tokenizers``' ``DecodeStream``, which buffers
+byte-level BPE pieces until they form whole UTF-8 characters, so no emitted piece ever holds
+a broken character and the pieces concatenate to the final text. Stop strings are searched
+in the accumulated text, so they are found across token boundaries; while stop strings are
+set, the last ``len(longest stop) - 1`` characters are held back from streaming until it is
+clear they do not start a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, params: SamplingParams):
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._stop = params.stop
+        self._include_stop = params.include_stop_str_in_output
+        self._hold_back = max(0, params.max_stop_len - 1)
+        self._min_tokens = params.min_tokens
+        self.text = ""
+        self._emitted = 0
+        self._num_tokens = 0
+
+    def update(self, token_ids: list[int]) -> str | None:
+        """Append tokens; return the stop string that ended the text, if one appeared."""
+        for token_id in token_ids:
+            self._num_tokens += 1
+            piece = self._stream.step(self._backend, token_id)
+            if not piece:
+                continue
+            start = max(0, len(self.text) - self._hold_back)
+            self.text += piece
+            # Like vLLM, stop strings count only after min_tokens.
+            if self._stop and self._num_tokens > self._min_tokens:
+                hit = self._find_stop(start)
+                if hit is not None:
+                    return hit
+        return None
+
+    def _find_stop(self, start: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stop:
+            idx = self.text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        self.text = self.text[: idx + len(stop)] if self._include_stop else self.text[:idx]
+        return stop
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out, minus what might still turn out to be a stop string."""
+        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold_back)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,180 @@
+"""vLLM sampling behaviours end to end on a tiny model with the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+NUM_BLOCKS = 200
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_tok) -> LLM:
+    return LLM(str(tiny_llama_tok), dtype="float32", num_kv_blocks=NUM_BLOCKS, log_stats_interval=1e9)
+
+
+def gen(llm, prompt, **kw):
+    (out,) = llm.generate(prompt, SamplingParams(**kw), use_tqdm=False)
+    return out
+
+
+def greedy_reference(llm, prompt="Hello, my name is", n=24):
+    return gen(llm, prompt, temperature=0, max_tokens=n, ignore_eos=True).outputs[0]
+
+
+def test_stop_string_is_found_across_tokens_and_removed(llm):
+    ref = greedy_reference(llm)
+    # A stop string made of the end of one token's text and the start of the next one's.
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode(ref.token_ids[: i + 1]) for i in range(len(ref.token_ids))]
+    k = next(i for i in range(3, len(pieces)) if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i - 1]) >= 2)
+    stop = pieces[k - 1][-1] + pieces[k][len(pieces[k - 1])]
+    cut = ref.text.find(stop)
+    out = gen(llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]).outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == ref.text[:cut]
+    out2 = gen(
+        llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    ).outputs[0]
+    assert out2.text == ref.text[: cut + len(stop)]
+
+
+def test_stop_token_ids_keep_the_token_in_the_output(llm):
+    ref = greedy_reference(llm)
+    stop_id = ref.token_ids[5]
+    out = gen(llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]).outputs[0]
+    first = ref.token_ids.index(stop_id)
+    assert out.token_ids == ref.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_min_tokens_masks_stop_tokens_until_reached(llm):
+    ref = greedy_reference(llm)
+    stop_id = ref.token_ids[1]
+    out = gen(
+        llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=6
+    ).outputs[0]
+    assert len(out.token_ids) >= 7 or out.finish_reason == "length"
+    assert stop_id not in out.token_ids[:6]
+
+
+def test_bad_words_are_never_generated(llm):
+    ref = greedy_reference(llm)
+    tok = llm.get_tokenizer()
+    word = tok.decode([ref.token_ids[0]]).strip()
+    assert word
+    out = gen(llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, bad_words=[word]).outputs[0]
+    banned = {tuple(tok.encode(v, add_special_tokens=False)) for v in (word, " " + word)}
+    for ids in banned:
+        if len(ids) == 1:
+            assert ids[0] not in out.token_ids
+    assert out.token_ids != ref.token_ids
+
+
+def test_allowed_token_ids_restrict_the_output(llm):
+    allowed = [100, 200, 300, 400]
+    out = gen(llm, "Hello", temperature=1.0, seed=0, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed).outputs[0]
+    assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == 20
+
+
+def test_detokenize_false_gives_tokens_without_text(llm):
+    ref = greedy_reference(llm)
+    out = gen(llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, detokenize=False).outputs[0]
+    assert out.token_ids == ref.token_ids and out.text == ""
+
+
+def test_logit_bias_forces_a_token(llm):
+    out = gen(llm, "Hello", temperature=0, max_tokens=5, ignore_eos=True, logit_bias={1234: 100}).outputs[0]
+    assert out.token_ids == [1234] * 5
+
+
+def test_out_of_vocabulary_ids_in_params_are_rejected(llm):
+    for kw, field in [
+        (dict(allowed_token_ids=[1, 49152]), "allowed_token_ids"),
+        (dict(stop_token_ids=[10**6]), "stop_token_ids"),
+        (dict(logit_bias={49152: 1.0}), "logit_bias"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            llm.generate("Hi", SamplingParams(**kw), use_tqdm=False)
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    engine = llm.llm_engine
+    kv = engine.kv_cache_manager
+    prompt = {"prompt_token_ids": list(range(1000, 1000 + 160))}  # exactly 10 blocks of 16
+    engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True), "par")
+    peak = 0
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        peak = max(peak, kv.block_pool.num_used_blocks)
+        kv.check_integrity()
+    # 10 shared prompt blocks + one tail block per sample, not 4 x 11.
+    assert peak == 10 + 4, peak
+    (out,) = outputs
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different samples
+    assert kv.num_free_blocks == NUM_BLOCKS
+
+
+def test_n_samples_with_a_partial_last_block_copy_on_write(llm):
+    prompt = {"prompt_token_ids": list(range(2000, 2000 + 20))}  # 1 full + 1 partial block
+    params = SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True)
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    (single,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    # Greedy samples are identical and equal the single greedy run: the copied block is right.
+    assert all(c.token_ids == single.outputs[0].token_ids for c in out.outputs)
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_seeded_n_samples_are_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
+    a = llm.generate("The weather", params, use_tqdm=False)[0]
+    b = llm.generate(["Something else entirely", "The weather"], params, use_tqdm=False)[1]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
+def test_logprobs_and_prompt_logprobs_shapes(llm):
+    out = gen(llm, "Hello, my name is", temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4
+    total = 0.0
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        assert tid in entry and entry[tid].rank == 1  # greedy: the chosen token is the top one
+        assert 3 <= len(entry) <= 4
+        assert all(lp.decoded_token is not None for lp in entry.values())
+        total += entry[tid].logprob
+    assert abs(c.cumulative_logprob - total) < 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for tid, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert tid in entry and len(entry) <= 3
+
+
+def test_chat_renders_the_template_and_rejects_malformed_messages(llm):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    (out,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    text = tok.decode(out.prompt_token_ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    outs = llm.chat([msgs, [{"role": "user", "content": "Yo"}]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(outs) == 2
+    cont = llm.chat(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}],
+        SamplingParams(max_tokens=2),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        use_tqdm=False,
+    )
+    assert tok.decode(cont[0].prompt_token_ids).endswith("Hello th")
+    for bad, match in [
+        ([{"role": "wizard", "content": "x"}], "role"),
+        ([{"role": "user"}], "content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "text part"),
+        (["hello"], "must be"),
+        ([], "non-empty"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(bad, use_tqdm=False)
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == NUM_BLOCKS

@@ -1,0 +1,163 @@
+"""The batched sampler on controlled logits: distributions (chi-square), penalties, masks, seeds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from pagedllm.sampler.sampler import Sampler, SamplingBatch
+
+VOCAB = 8
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+ROWS = 20000
+
+
+def sample_many(batch_kwargs: dict, rows: int = ROWS, seed: int = 0) -> np.ndarray:
+    logits = LOGITS.repeat(rows, 1)
+    batch = SamplingBatch(
+        temperatures=torch.full((rows,), batch_kwargs.pop("temperature", 1.0)),
+        generators=[None] * rows,
+        num_logprobs=[None] * rows,
+        **{k: torch.full((rows,), v) for k, v in batch_kwargs.items()},
+    )
+    tokens = Sampler(seed)(logits, batch).token_ids
+    return np.bincount(tokens, minlength=VOCAB)
+
+
+def expected(probs: np.ndarray) -> np.ndarray:
+    probs = np.asarray(probs, dtype=np.float64)
+    return probs / probs.sum() * ROWS
+
+
+def assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
+    exp = expected(probs)
+    support = exp > 0
+    assert counts[~support].sum() == 0, f"sampled outside the support: {counts}"
+    p = chisquare(counts[support], exp[support] * counts.sum() / exp[support].sum()).pvalue
+    assert p > 0.001, f"counts {counts} vs expected {exp.round(1)} (p={p:.2e})"
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature(temperature):
+    counts = sample_many({"temperature": temperature})
+    assert_follows(counts, softmax(LOGITS.numpy() / temperature))
+
+
+def test_top_k():
+    counts = sample_many({"top_k": 3})
+    probs = softmax(LOGITS.numpy())
+    probs[3:] = 0
+    assert_follows(counts, probs)
+
+
+def test_top_p():
+    probs = softmax(LOGITS.numpy())  # sorted descending already
+    top_p = 0.8
+    # Keep the smallest prefix whose mass reaches top_p.
+    keep = np.cumsum(probs) - probs < top_p
+    counts = sample_many({"top_p": top_p})
+    assert_follows(counts, np.where(keep, probs, 0))
+    assert keep.sum() < VOCAB  # the test means something
+
+
+def test_min_p():
+    probs = softmax(LOGITS.numpy())
+    min_p = 0.2
+    keep = probs >= min_p * probs.max()
+    counts = sample_many({"min_p": min_p})
+    assert_follows(counts, np.where(keep, probs, 0))
+    assert 1 < keep.sum() < VOCAB
+
+
+def test_temperature_then_top_k_then_top_p():
+    t, k, p = 0.7, 5, 0.9
+    probs = softmax(LOGITS.numpy() / t)
+    probs[k:] = 0
+    probs = probs / probs.sum()
+    keep = np.cumsum(probs) - probs < p
+    counts = sample_many({"temperature": t, "top_k": k, "top_p": p})
+    assert_follows(counts, np.where(keep, probs, 0))
+
+
+def run_single(logits: torch.Tensor, **kw) -> tuple[torch.Tensor, SamplingBatch]:
+    rows = logits.shape[0]
+    batch = SamplingBatch(temperatures=torch.zeros(rows), generators=[None] * rows, num_logprobs=[None] * rows, **kw)
+    return logits, batch
+
+
+def test_penalties_change_logits_exactly_as_their_formulas_say():
+    from pagedllm.sampler.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0, 0.0, 4.0]])
+    batch = SamplingBatch(
+        temperatures=torch.zeros(1),
+        generators=[None],
+        penalty_rows=[0],
+        presence=[0.5],
+        frequency=[0.25],
+        repetition=[2.0],
+        output_ids=[[0, 0, 1, 3]],  # token 0 twice, 1 and 3 once
+        prompt_ids=[[5, 1]],
+    )
+    out = logits.clone()
+    apply_penalties(out, batch)
+    exp = logits.clone()
+    # repetition (prompt + output tokens 0, 1, 3, 5): positive / 2, negative * 2
+    exp[0, 0], exp[0, 1], exp[0, 3], exp[0, 5] = 2.0 / 2, -1.0 * 2, 3.0 / 2, 1.0 / 2
+    # frequency (output counts) and presence (output only)
+    exp[0, 0] -= 0.25 * 2 + 0.5
+    exp[0, 1] -= 0.25 * 1 + 0.5
+    exp[0, 3] -= 0.25 * 1 + 0.5
+    torch.testing.assert_close(out, exp)
+
+
+def test_logit_bias_allowed_and_banned_tokens():
+    logits = LOGITS.repeat(3, 1)
+    batch = SamplingBatch(
+        temperatures=torch.zeros(3),
+        generators=[None] * 3,
+        num_logprobs=[None] * 3,
+        logit_bias=[(0, 6, 100.0)],
+        allowed=[(1, [4, 5])],
+        banned=[(2, [0, 1])],
+    )
+    assert Sampler(0)(logits, batch).token_ids == [6, 4, 2]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    g1 = torch.Generator().manual_seed(7)
+    g2 = torch.Generator().manual_seed(7)
+    alone = Sampler(0)(LOGITS[None], SamplingBatch(torch.ones(1), [g1], num_logprobs=[None])).token_ids
+    batch = SamplingBatch(torch.ones(3), [None, g2, None], num_logprobs=[None] * 3)
+    mixed = Sampler(123)(LOGITS.repeat(3, 1), batch).token_ids
+    assert mixed[1] == alone[0]
+    # and the seeded stream keeps producing the same sequence
+    seq_a = [Sampler(0)(LOGITS[None], SamplingBatch(torch.ones(1), [g], num_logprobs=[None])).token_ids[0]
+             for g in [torch.Generator().manual_seed(3)] * 30]  # fmt: skip
+    seq_b = [Sampler(9)(LOGITS[None], SamplingBatch(torch.ones(1), [g], num_logprobs=[None])).token_ids[0]
+             for g in [torch.Generator().manual_seed(3)] * 30]  # fmt: skip
+    assert seq_a == seq_b and len(set(seq_a)) > 1
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks():
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    batch = SamplingBatch(torch.tensor([0.0, 0.0]), [None, None], num_logprobs=[3, None], banned=[(0, [0])])
+    out = Sampler(0)(logits, batch)
+    assert out.token_ids == [1, 7]  # row 0: token 0 banned, so the argmax is token 1
+    lp = out.logprobs[0]
+    raw = LOGITS.log_softmax(-1)
+    assert math.isclose(lp.token_logprob, float(raw[1]), abs_tol=1e-6)
+    assert lp.token_rank == 2  # rank in the raw distribution, before the ban
+    assert lp.top_ids == [0, 1, 2]
+    np.testing.assert_allclose(lp.top_logprobs, raw[:3].numpy(), atol=1e-6)
+    assert out.logprobs[1] is None
