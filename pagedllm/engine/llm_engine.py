@@ -81,6 +81,8 @@ class LLMEngine:
             seed=config.seed,
         )
         self.stats = StatsLogger(log_stats_interval)
+        # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
+        self.stat_loggers: list[Any] = [self.stats]
         self.output_processor = OutputProcessor(self.tokenizer)
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
@@ -222,10 +224,13 @@ class LLMEngine:
             entries = result.prompt_logprobs.get(s.request.request_id)
             if entries:
                 s.request.prompt_logprobs.extend(entries)
-        prompt_tokens = sum(
-            max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens) - s.num_computed_tokens)
-            for s in sched_out.scheduled
-        )
+        prompt_tokens = 0  # prompt tokens run for the first time (recomputation excluded)
+        for s in sched_out.scheduled:
+            req = s.request
+            end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens)
+            if end > req.num_prompt_tokens_run:
+                prompt_tokens += end - max(s.num_computed_tokens, req.num_prompt_tokens_run)
+                req.num_prompt_tokens_run = end
         finished = self.scheduler.update_from_output(sched_out, result.sampled)
         for owners in targets:
             for req in owners:
@@ -240,16 +245,17 @@ class LLMEngine:
             self.runner.free_request(req.request_id)
             if all(self.scheduler.requests.get(r) is None for r in self._samples_of.get(req.parent_id, [])):
                 self._samples_of.pop(req.parent_id, None)
-        self.stats.record(
-            StepStats(
-                num_prompt_tokens=prompt_tokens,
-                num_generation_tokens=sum(len(t) for t in result.sampled),
-                num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting),
-                kv_cache_usage=self.kv_cache_manager.usage(),
-                num_preemptions=len(sched_out.preempted_ids),
-            )
+        stats = StepStats(
+            num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=sum(len(t) for t in result.sampled),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_preemptions=len(sched_out.preempted_ids),
+            num_scheduled_tokens=sched_out.num_scheduled_tokens,
         )
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
         return self.output_processor.make_outputs()
 
     @property

@@ -57,6 +57,7 @@ class Request:
     logprobs: list[RowLogprobs] = field(default_factory=list)
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # for prompt tokens 1..n-1
     cumulative_logprob: float = 0.0
+    num_prompt_tokens_run: int = 0  # high-water mark, so recomputation is not counted twice
     # Token ids of each of ``sampling_params.bad_words`` (tokenized when the request is added).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 

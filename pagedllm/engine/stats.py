@@ -14,12 +14,13 @@ logger = logging.getLogger("pagedllm.engine")
 
 @dataclass
 class StepStats:
-    num_prompt_tokens: int  # prompt (or recomputed) tokens run this step
+    num_prompt_tokens: int  # prompt tokens run for the first time this step
     num_generation_tokens: int  # tokens sampled this step
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # 0..1
     num_preemptions: int  # this step
+    num_scheduled_tokens: int = 0  # all tokens run this step
 
 
 class StatsLogger:

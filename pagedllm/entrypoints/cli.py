@@ -1,8 +1,4 @@
-"""The ``pagedllm`` command.
-
-``pagedllm serve`` will run the OpenAI-compatible server; until that lands it loads the model
-with the given engine flags and runs an offline generation demo over a few chat prompts.
-"""
+"""The ``pagedllm`` command: ``serve`` (OpenAI-compatible server), ``demo``, ``bench``."""
 
 from __future__ import annotations
 
@@ -41,11 +37,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    return run_server(args, engine_config_from_args(args))
+
+
 def _demo(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
     config = engine_config_from_args(args)
-    print("pagedllm: the HTTP server is not built yet; running an offline generation demo.", file=sys.stderr)
     llm = LLM(**{k: v for k, v in config.to_dict().items()})
     tok = llm.get_tokenizer()
     prompts = [
@@ -68,10 +69,17 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-attention LLM inference, CPU first")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the model (for now: an offline generation demo)")
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_engine_args(serve)
-    serve.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
-    serve.set_defaults(func=_demo)
+    from pagedllm.entrypoints.openai.api_server import add_server_args
+
+    add_server_args(serve)
+    serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="offline generation demo over a few chat prompts")
+    add_engine_args(demo)
+    demo.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
+    demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput on a standard workload")

@@ -1,0 +1,84 @@
+"""Prometheus metrics with vLLM's names and meanings under the ``pagedllm:`` prefix.
+
+Fed from engine stats (per step) and from request outputs (per token and at the end), both
+delivered in the engine thread; gauges read the engine state when scraped. Each server has
+its own registry, so two engines in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.engine.stats import StepStats
+from pagedllm.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pagedllm.engine.async_llm import AsyncLLM
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServerMetrics:
+    def __init__(self, async_llm: "AsyncLLM", model_name: str):
+        self.registry = CollectorRegistry()
+        engine = async_llm.engine
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(f"pagedllm:{name}", doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
+
+        gauge("num_requests_running", "Requests in the running batch.", lambda: len(engine.scheduler.running))
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: len(engine.scheduler.waiting))
+        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", engine.kv_cache_manager.usage)
+        self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r).labels(**labels)
+        self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r).labels(**labels)
+        self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions.", ["model_name"], registry=r).labels(**labels)
+        self.request_success = Counter(
+            "pagedllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
+        )
+        self._labels = labels
+        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.itl = Histogram("pagedllm:inter_token_latency_seconds", "Time between output tokens.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.queue_time = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduling.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.iteration_tokens = Histogram("pagedllm:iteration_tokens_total", "Tokens per engine step.", ["model_name"], buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)
+        self._last_token_time: dict[str, float] = {}
+        engine.stat_loggers.append(self)
+        async_llm.output_hooks.append(self.on_output)
+
+    def record(self, stats: StepStats) -> None:
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.preemptions.inc(stats.num_preemptions)
+        if stats.num_scheduled_tokens:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+
+    def on_output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        m = out.metrics
+        if new_tokens and m is not None:
+            last = self._last_token_time.get(out.request_id)
+            if last is None:
+                self.ttft.observe(now - m.arrival_time)
+            else:
+                gap = (now - last) / new_tokens
+                for _ in range(new_tokens):
+                    self.itl.observe(gap)
+            self._last_token_time[out.request_id] = now
+        if out.finished:
+            self._last_token_time.pop(out.request_id, None)
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
+            self.request_success.labels(finished_reason=reason, **self._labels).inc()
+            if m is not None:
+                self.e2e.observe(now - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,303 @@
+"""Completions and chat completions: turn requests into engine calls and outputs into OpenAI JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.chat import render_chat
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.outputs import PositionLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Choice:
+    """What one choice accumulated from delta outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _start(llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str) -> list[AsyncIterator[RequestOutput]]:
+    """Queue every prompt; if one is rejected, withdraw the ones already queued."""
+    streams: list[AsyncIterator[RequestOutput]] = []
+    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    try:
+        for prompt, rid in zip(prompts, ids):
+            streams.append(await llm.add_request(prompt, params, rid))
+    except BaseException:
+        for rid in ids[: len(streams)]:
+            llm.abort(rid)
+        raise
+    return streams
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (prompt index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:  # closing runs their cleanup (abort) now, not at garbage collection
+            await s.aclose()
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, served_model_name: str):
+        self.llm = llm
+        self.model_name = served_model_name
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.engine.max_model_len
+
+    def _decode(self, token_id: int) -> str:
+        return self.llm.engine.output_processor._decode_one(token_id) if self.tokenizer is not None else ""
+
+    # ------------------------------------------------------------------ completions
+    async def completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await _start(self.llm, prompts, params, rid)
+        if req.stream:
+            return self._completion_stream(req, params, streams, rid, created)
+        n = params.n
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in _merge(streams):
+            self._accumulate(choices, i * n, out)
+            if out.finished:
+                finals[i] = out
+        prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in finals)
+        data = []
+        for idx, ch in enumerate(choices):
+            final = finals[idx // n]
+            text = ch.text
+            logprobs = None
+            if req.echo:
+                text = self._prompt_text(final) + text
+            if params.logprobs is not None:
+                entries: list[tuple[int, PositionLogprobs | None]] = []
+                if req.echo:
+                    entries += list(zip(final.prompt_token_ids, final.prompt_logprobs or [None] * len(final.prompt_token_ids)))
+                entries += list(zip(ch.token_ids, ch.logprobs))
+                logprobs = self._completion_logprobs(entries, params.logprobs)
+            data.append(
+                {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+            )
+        completion_tokens = sum(len(ch.token_ids) for ch in choices)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": data,
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    async def _completion_stream(self, req, params, streams, rid, created) -> AsyncIterator[str]:
+        n = params.n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        echoed: set[int] = set()
+        async for i, out in _merge(streams):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                idx = i * n + c.index
+                text = c.text
+                if req.echo and idx not in echoed:
+                    echoed.add(idx)
+                    text = self._prompt_text(out) + text
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = self._completion_logprobs(list(zip(c.token_ids, c.logprobs or [])), params.logprobs)
+                chunk = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [
+                        {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    ],
+                }
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": _usage(sum(prompt_tokens.values()), completion_tokens),
+                }
+            )
+        yield "data: [DONE]\n\n"
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def _completion_logprobs(self, entries: list[tuple[int, PositionLogprobs | None]], k: int) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for tid, entry in entries:
+            tok = self._decode(tid)
+            tokens.append(tok)
+            offsets.append(offset)
+            offset += len(tok)
+            if entry is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(entry[tid].logprob)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+            top.append({self._decode(t): lp.logprob for t, lp in ranked if lp.rank is not None and lp.rank <= max(k, 1)})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat")
+        prompt_ids = render_chat(
+            self.tokenizer,
+            req.messages,
+            chat_template=req.chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")
+        params = req.to_sampling_params(self.max_model_len - len(prompt_ids))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid)
+        if req.stream:
+            return self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids))
+        choices = [_Choice() for _ in range(params.n)]
+        async for _, out in _merge(streams):
+            self._accumulate(choices, 0, out)
+        data = []
+        for idx, ch in enumerate(choices):
+            data.append(
+                {
+                    "index": idx,
+                    "message": {"role": "assistant", "content": ch.text},
+                    "logprobs": self._chat_logprobs(ch.token_ids, ch.logprobs, params.logprobs) if params.logprobs is not None else None,
+                    "finish_reason": ch.finish_reason,
+                    "stop_reason": ch.stop_reason,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": data,
+            "usage": _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in choices)),
+        }
+
+    async def _chat_stream(self, req, params, stream, rid, created, num_prompt_tokens) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name, "choices": choices}
+            if with_usage:
+                body["usage"] = usage
+            return _sse(body)
+
+        for i in range(params.n):
+            yield chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                with_usage=include_usage,
+            )
+        completion_tokens = 0
+        async for out in stream:
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs) if params.logprobs is not None else None
+                delta = {"content": c.text} if (c.text or c.finish_reason is None) else {}
+                yield chunk(
+                    [{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                    with_usage=include_usage,
+                )
+        if include_usage:
+            yield chunk([], _usage(num_prompt_tokens, completion_tokens), with_usage=True)
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], k: int) -> dict:
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            tok = self._decode(tid)
+            top = [
+                {"token": self._decode(t), "logprob": lp.logprob, "bytes": list(self._decode(t).encode())}
+                for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+                if lp.rank is not None and lp.rank <= k
+            ]
+            content.append({"token": tok, "logprob": entry[tid].logprob, "bytes": list(tok.encode()), "top_logprobs": top})
+        return {"content": content}
+
+    @staticmethod
+    def _accumulate(choices: list[_Choice], base: int, out: RequestOutput) -> None:
+        for c in out.outputs:
+            ch = choices[base + c.index]
+            ch.text += c.text
+            ch.token_ids += c.token_ids
+            ch.logprobs += c.logprobs or []
+            if c.finish_reason is not None:
+                ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,242 @@
+"""A real ``pagedllm serve`` process driven by the official ``openai`` client (tiny model + real tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_utils import ServerProcess
+
+ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "400", "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_tok):
+    srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS])
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_tok) -> str:
+    return str(tiny_llama_tok)  # served under the path as given, like vLLM
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_health_version(server, client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_completion_stream_equals_non_stream(client, model):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=20, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    reasons = [c.choices[0].finish_reason for c in text_chunks]
+    assert reasons[-1] == full.choices[0].finish_reason and all(r is None for r in reasons[:-1])
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20 or full.choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_stream_equals_non_stream(client, model):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi!"}]}]
+    kw = dict(model=model, messages=msgs, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == full.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in with_choices]
+    assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_exact_usage(server, client, model):
+    prompt = "The quick brown fox"
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=7, temperature=0, logprobs=1)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(out.choices[0].logprobs.tokens)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    msgs = [{"role": "user", "content": "Count to three."}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=5, temperature=0)
+    chat_ids = httpx.post(f"{server.url}/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert chat.usage.prompt_tokens == len(chat_ids)
+
+
+def test_n_stop_logprobs_seed(client, model):
+    two = client.completions.create(model=model, prompt="Hello", max_tokens=8, n=2, temperature=1.0, seed=5)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    again = client.completions.create(model=model, prompt="Hello", max_tokens=8, n=2, temperature=1.0, seed=5)
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]
+    assert two.usage.completion_tokens == sum(1 for _ in range(2)) * 8 or any(c.finish_reason == "stop" for c in two.choices)
+
+    ref = client.completions.create(model=model, prompt="Hello", max_tokens=12, temperature=0)
+    stop = ref.choices[0].text[3:6]
+    assert stop
+    cut = client.completions.create(model=model, prompt="Hello", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == ref.choices[0].text[: ref.choices[0].text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+    lp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.top_logprobs[2].logprob
+
+
+def test_token_prompts_and_batches(client, model):
+    out = client.completions.create(model=model, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.prompt_tokens == 5
+
+
+def test_concurrent_streams_equal_sequential(server, model):
+    prompts = [f"Story number {i}: once" for i in range(32)]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    sequential = [client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]
+
+    async def one(ac: openai.AsyncOpenAI, p: str) -> str:
+        stream = await ac.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    concurrent = asyncio.run(all_of_them())
+    matches = sum(a == b for a, b in zip(concurrent, sequential))
+    assert matches == 32, f"{matches}/32 concurrent outputs equal the sequential ones"
+
+
+def test_disconnect_mid_stream_frees_everything(server, model):
+    idle_usage = server.metric("pagedllm:kv_cache_usage_perc")
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={"model": model, "prompt": "Tell me a long story", "max_tokens": 400, "ignore_eos": True, "stream": True},
+        timeout=30,
+    ) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.metric("pagedllm:num_requests_running") == 1
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if server.metric("pagedllm:num_requests_running") == 0 and server.metric("pagedllm:kv_cache_usage_perc") == idle_usage:
+            break
+        time.sleep(0.05)
+    assert server.metric("pagedllm:num_requests_running") == 0
+    assert server.metric("pagedllm:kv_cache_usage_perc") == idle_usage
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "lots"}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, None),
+    ("/v1/completions", {"prompt": [1, 10**9]}, 400, None),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "word " * 600}, 400, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None),
+    ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [-5]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, None),
+    ("/detokenize", {"tokens": [10**8]}, 400, None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_REQUESTS)
+def test_malformed_requests_get_openai_errors(server, model, path, body, status, param):
+    if status != 404 and "model" not in body:
+        body = {"model": model, **body}
+    resp = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and err["type"] and err["code"] == status
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_bad_json_and_server_survives(server, client, model):
+    resp = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "error" in resp.json()
+    ok = client.completions.create(model=model, prompt="Still alive?", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_token_counters_equal_usage_sums(tiny_llama_tok):
+    srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS])
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        prompt_sum = completion_sum = 0
+        for i in range(5):
+            out = c.completions.create(model=str(tiny_llama_tok), prompt=f"Request {i}", max_tokens=3 + i, n=1 + i % 2)
+            prompt_sum += out.usage.prompt_tokens
+            completion_sum += out.usage.completion_tokens
+        chat = c.chat.completions.create(model=str(tiny_llama_tok), messages=[{"role": "user", "content": "hey"}], max_tokens=4)
+        prompt_sum += chat.usage.prompt_tokens
+        completion_sum += chat.usage.completion_tokens
+        assert srv.metric("pagedllm:prompt_tokens_total") == prompt_sum
+        assert srv.metric("pagedllm:generation_tokens_total") == completion_sum
+        assert srv.metric("pagedllm:request_success_total") == 6
+        assert srv.metric("pagedllm:time_to_first_token_seconds_count") == 6  # one per request, n=2 included
+        assert srv.metric("pagedllm:e2e_request_latency_seconds_count") == 6
+    finally:
+        assert srv.stop() == 0
+
+
+def test_api_key_and_sigterm_during_streams(tiny_llama_tok):
+    srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS, "--graceful-shutdown-timeout", "1"], env={"PAGEDLLM_API_KEY": "sekret"})
+    model = str(tiny_llama_tok)
+    try:
+        body = {"model": model, "prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 401
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+
+        async def stream_until_end() -> list[str]:
+            headers = {"Authorization": "Bearer sekret"}
+            req = {"model": model, "prompt": "A long one", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(timeout=60) as ac:
+                async with ac.stream("POST", f"{srv.url}/v1/completions", json=req, headers=headers) as resp:
+                    return [line async for line in resp.aiter_lines() if line]
+
+        async def scenario() -> list[list[str]]:
+            tasks = [asyncio.create_task(stream_until_end()) for _ in range(3)]
+            await asyncio.sleep(1.5)
+            srv.proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(scenario())
+        for lines in results:
+            assert lines[-1] == "data: [DONE]"
+            last = json.loads(lines[-2][len("data: ") :])
+            assert last["choices"][0]["finish_reason"] in ("abort", "length")
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.stop()
