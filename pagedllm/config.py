@@ -55,6 +55,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     attention_backend: str = "torch_sdpa"
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = no cap on one request's prefill chunk per step
+    scheduling_policy: str = "fcfs"  # or "priority"
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -66,6 +69,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if self.kv_cache_space is not None and not (self.kv_cache_space > 0):
             raise ValueError(f"kv_cache_space must be positive (GiB), got {self.kv_cache_space!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
 

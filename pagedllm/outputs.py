@@ -54,5 +54,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -2,7 +2,8 @@
 
 Ten diverse prompts (raw and chat-formatted, 1 to ~1,500 tokens) in ONE ``generate`` call
 must give exactly transformers' tokens (batch 1, no padding) - also with few sequences per
-step, bigger blocks, and a KV pool so small that requests get preempted and recomputed.
+step, bigger blocks, a 32-token step budget (chunked prefill) with a KV pool so small that
+requests get preempted and recomputed, prefix caching off, and a second, warm-cache run.
 """
 
 from __future__ import annotations
@@ -85,10 +86,11 @@ def oracle(prompts):
 
 
 CONFIGS = {
-    "default": dict(),
+    "default+warm-rerun": dict(),  # prefix caching and chunked prefill are on by default
     "max_num_seqs=3": dict(max_num_seqs=3),
     "block_size=32": dict(block_size=32),
-    "tiny-pool-preemption": dict(num_kv_blocks=130, max_num_batched_tokens=512),
+    "no-prefix-caching": dict(enable_prefix_caching=False),
+    "tiny-pool-preemption-chunk32": dict(num_kv_blocks=130, max_num_batched_tokens=32),
 }
 
 
@@ -107,6 +109,12 @@ def test_greedy_parity_with_transformers(config, prompts, oracle):
     kv = llm.llm_engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_integrity()
-    if config == "tiny-pool-preemption":
+    if config.startswith("tiny-pool-preemption"):
         assert llm.llm_engine.num_preemptions_total > 0
         assert any(o.num_preemptions > 0 for o in outs)
+    if config == "default+warm-rerun":
+        warm = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+        )
+        assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in outs]
+        assert sum(o.num_cached_tokens for o in warm) >= 0.9 * sum(len(p) for p in prompts) - 16 * len(prompts)

@@ -59,7 +59,7 @@ class AsyncLLM:
             return f"{prefix}-{self._counter}"
 
     async def add_request(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; once the engine accepted it, return its stream of delta outputs.
 
@@ -71,7 +71,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop)
-        self._commands.put(("add", request_id, prompt, sampling_params, stream, accepted))
+        self._commands.put(("add", request_id, prompt, sampling_params, stream, accepted, priority))
         self._wakeup.set()
         await accepted
         return self._outputs(request_id, stream)
@@ -143,11 +143,11 @@ class AsyncLLM:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, prompt, params, stream, accepted = cmd
+            _, request_id, prompt, params, stream, accepted, priority = cmd
             try:
                 if request_id in self._streams:
                     raise ValueError(f"request_id {request_id!r} is already in use")
-                self.engine.add_request(prompt, params, request_id, output_kind=RequestOutputKind.DELTA)
+                self.engine.add_request(prompt, params, request_id, output_kind=RequestOutputKind.DELTA, priority=priority)
             except Exception as e:
                 stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
                 return

@@ -65,9 +65,15 @@ class LLMEngine:
             num_blocks = int(space * (1 << 30) // block_bytes)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                max_model_len,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                scheduling_policy=config.scheduling_policy,
+            ),
             self.kv_cache_manager,
         )
         self.runner = ModelRunner(
@@ -142,6 +148,7 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; raises ValueError (and changes nothing) on bad input.
 
@@ -152,6 +159,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.arch.vocab_size)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError("stop strings need detokenize=True and a tokenizer")
         if params.bad_words and self.tokenizer is None:
@@ -174,6 +183,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 parent_id=request_id,
                 index=i,
+                priority=priority,
                 bad_words_token_ids=bad_words,
             )
             for i in range(params.n)
@@ -205,6 +215,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes (running requests keep their blocks)."""
+        self.kv_cache_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -253,6 +267,9 @@ class LLMEngine:
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_preemptions=len(sched_out.preempted_ids),
             num_scheduled_tokens=sched_out.num_scheduled_tokens,
+            num_prefix_queries=sched_out.num_prefix_queries,
+            num_prefix_hits=sched_out.num_prefix_hits,
+            num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)

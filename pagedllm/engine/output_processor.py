@@ -136,6 +136,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.request.num_preemptions for s in parent.samples),
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,

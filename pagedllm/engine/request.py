@@ -37,6 +37,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs first under the "priority" policy
     # Parallel sampling (n > 1): each sample is a Request; ``index`` is its place in the
     # parent's outputs. Samples 1..n-1 wait in sample 0's ``pending_forks`` until its prompt
     # is computed, then take its blocks by reference (no recompute of the prompt).
@@ -57,6 +58,7 @@ class Request:
     logprobs: list[RowLogprobs] = field(default_factory=list)
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # for prompt tokens 1..n-1
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_prompt_tokens_run: int = 0  # high-water mark, so recomputation is not counted twice
     # Token ids of each of ``sampling_params.bad_words`` (tokenized when the request is added).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)

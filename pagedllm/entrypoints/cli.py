@@ -29,6 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-space", type=float, default=None, help="KV-cache memory in GiB (default: 4)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-space)")
     g.add_argument("--seed", type=int, default=defaults["seed"], help="seed of the engine's sampler (default: %(default)s)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap on one request's prefill chunk per step; 0 = none (default: %(default)s)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower request priority first) (default: %(default)s)")
     g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["torch_sdpa", "reference"], help="paged-attention implementation (default: %(default)s)")
 
 
@@ -88,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
     throughput.add_args(tp)
     tp.set_defaults(func=_bench_throughput)
+    pc = bench.add_parser("prefix-cache", help="TTFT with and without a cached 2,000-token system prompt")
+    add_engine_args(pc)
+    from pagedllm.bench import prefix_cache
+
+    prefix_cache.add_args(pc)
+    pc.set_defaults(func=lambda a: prefix_cache.run(a, engine_config_from_args(a).to_dict()) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

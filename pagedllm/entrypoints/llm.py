@@ -35,6 +35,9 @@ class LLM:
         num_kv_blocks: int | None = None,
         seed: int = 0,
         attention_backend: str = "torch_sdpa",
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
         log_stats_interval: float = 5.0,
     ):
         config = EngineConfig(
@@ -48,11 +51,17 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             seed=seed,
             attention_backend=attention_backend,
+            enable_prefix_caching=enable_prefix_caching,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            scheduling_policy=scheduling_policy,
         )
         self.llm_engine = LLMEngine(config, log_stats_interval=log_stats_interval)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
 
     def chat(
         self,
@@ -92,8 +101,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
+
+        ``priority`` (one int per prompt, lower first) matters with scheduling_policy="priority".
 
         All prompts are validated before any is queued, so one bad prompt raises a
         ValueError and leaves the engine as it was.
@@ -111,11 +123,14 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         added: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                added.append(engine.add_request(prompt, params))
+            for prompt, params, prio in zip(prompts, params_list, priorities):
+                added.append(engine.add_request(prompt, params, priority=prio))
         except Exception:
             for request_id in added:
                 engine.abort_request(request_id)

@@ -1,21 +1,46 @@
-"""The pool of KV-cache blocks: reference counts and an ordered free queue.
+"""The pool of KV-cache blocks: reference counts, an ordered free queue, and the prefix cache.
 
 A block is free exactly when its reference count is 0; free blocks sit in a doubly linked
-queue so any of them can be taken out in O(1) (prefix caching revives freed blocks whose
-contents are still valid). New blocks are taken from the head; freed blocks join the tail,
-so the head is always the least recently freed block.
+queue so any of them can be taken out in O(1). New blocks are taken from the head; freed
+blocks join the tail, so the head is always the least recently freed block (LRU).
+
+Prefix caching: a full block may carry a content hash (see ``hash_block``) and be listed in
+``cached_blocks``. A freed block keeps its hash and contents; a later request with the same
+prefix revives it (``touch``) instead of recomputing. Only when the block is handed out
+again as a new block is its hash dropped (evicted).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
+
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    """Chained content hash of a full block: SHA-256 of (parent hash, token ids, extra keys).
+
+    SHA-256 is deterministic across processes (a later on-disk cache can reuse it) and
+    strong enough that a collision - two different prefixes sharing KV - is not a practical
+    concern, so hits are not re-checked token by token. ``extra_keys`` leaves room for a
+    LoRA id or cache salt.
+    """
+    h = hashlib.sha256(parent or b"\0" * 32)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
 
 
 @dataclass(eq=False, slots=True)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: BlockHash | None = None
     # Links of the free queue; both None while the block is in use.
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
@@ -80,6 +105,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,9 +126,31 @@ class BlockPool:
         for _ in range(n):
             b = self.free_block_queue.popleft()
             assert b.ref_cnt == 0
+            if b.block_hash is not None:  # evict: its old contents are about to be overwritten
+                del self.cached_blocks[b.block_hash]
+                b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
         return out
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a block that is now full; a duplicate of cached content stays unlisted."""
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash; blocks keep their owners, but nothing is found by content."""
+        for b in self.cached_blocks.values():
+            b.block_hash = None
+        self.cached_blocks.clear()
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_block_queue if b.block_hash is not None)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add one reference to each block (sharing); a free block leaves the free queue."""
@@ -127,3 +175,6 @@ class BlockPool:
         unreferenced = {b.block_id for b in self.blocks if b.ref_cnt == 0}
         assert set(queued) == unreferenced, "free queue and reference counts disagree"
         assert all(b.ref_cnt >= 0 for b in self.blocks)
+        for h, b in self.cached_blocks.items():
+            assert b.block_hash == h, "cache map and block hash disagree"
+        assert sum(b.block_hash is not None for b in self.blocks) == len(self.cached_blocks)

@@ -1,15 +1,22 @@
-"""Per-request block tables on top of the block pool.
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
 
 A request's block table maps its logical blocks (token index // block_size) to physical
 blocks. Blocks are allocated as the request's computed tokens grow and freed, in reverse
 order, the moment it finishes or is preempted. ``fork`` shares a request's blocks with a
 new one (parallel sampling); a write into a shared, partly filled block first copies it
 (copy-on-write), and the copy is handed to the model runner as a (src, dst) pair.
+
+With prefix caching on, every block that becomes full is registered under its chained
+content hash; a new request adopts the longest chain of cached blocks matching its tokens
+(``get_computed_blocks``) and computes only the rest. The last token is always computed so
+that the step produces logits.
 """
 
 from __future__ import annotations
 
-from pagedllm.kv_cache.block_pool import BlockPool, KVBlock
+from typing import Sequence
+
+from pagedllm.kv_cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block
 
 
 def cdiv(a: int, b: int) -> int:
@@ -17,12 +24,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_hashes: dict[str, list[BlockHash]] = {}
         self._pending_copies: list[tuple[int, int]] = []
 
     @property
@@ -39,27 +48,73 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
+    def _block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
+        """Hashes of the full blocks among the first ``num_tokens`` tokens, extended as they grow."""
+        hashes = self.req_to_hashes.setdefault(request_id, [])
+        bs = self.block_size
+        n = len(token_ids) if num_tokens is None else num_tokens
+        for i in range(len(hashes), n // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> list[KVBlock]:
+        """The longest chain of cached blocks that starts the request's tokens.
+
+        Stops one token short of the end: the last token is always recomputed for logits.
+        """
+        if not self.enable_caching:
+            return []
+        hashes = self._block_hashes(request_id, token_ids)
+        hits: list[KVBlock] = []
+        for h in hashes[: (len(token_ids) - 1) // self.block_size]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        token_ids: Sequence[int] | None = None,
+    ) -> bool:
         """Make room for ``num_new_tokens`` after the first ``num_computed_tokens``.
 
-        Returns False, changing nothing, when the pool has too few free blocks; the
-        scheduler then preempts someone and tries again.
+        ``computed_blocks`` are prefix-cache hits to adopt (a request starting out, whose
+        ``num_computed_tokens`` they cover). Returns False, changing nothing, when the pool
+        has too few free blocks; the scheduler then preempts someone and tries again.
+        ``token_ids`` (the request's tokens) lets blocks that become full join the cache.
         """
         blocks = self.req_to_blocks.setdefault(request_id, [])
+        if computed_blocks:
+            assert not blocks and len(computed_blocks) * self.block_size == num_computed_tokens
         end = num_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, self.num_blocks_for(end) - len(blocks))
+        num_new_blocks = max(0, self.num_blocks_for(end) - len(blocks) - len(computed_blocks))
+        # Reviving a freed cached block takes it out of the free queue too.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         # Existing blocks this step writes into that others still reference.
         first = num_computed_tokens // self.block_size
         last = min(len(blocks), self.num_blocks_for(end))
         shared = [i for i in range(first, last) if blocks[i].ref_cnt > 1] if num_new_tokens else []
-        if num_new_blocks + len(shared) > self.block_pool.num_free_blocks:
+        if num_new_blocks + len(shared) + num_revived > self.block_pool.num_free_blocks:
             return False
+        self.block_pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
         for i in shared:
             (copy,) = self.block_pool.get_new_blocks(1)
             self._pending_copies.append((blocks[i].block_id, copy.block_id))
             self.block_pool.free_blocks([blocks[i]])
             blocks[i] = copy
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        if self.enable_caching and token_ids is not None:
+            # Blocks full after this step are registered now: their K/V is written by this
+            # step's forward, before any later step can read them.
+            hashes = self._block_hashes(request_id, token_ids, end)
+            for i in range(first, min(end // self.block_size, len(hashes))):
+                self.block_pool.cache_block(blocks[i], hashes[i])
         return True
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -73,10 +128,14 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release a request's blocks; its tail goes into the free queue first."""
         blocks = self.req_to_blocks.pop(request_id, [])
+        self.req_to_hashes.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs the runner must apply before the next forward."""

@@ -5,20 +5,25 @@ Each step: running requests first (oldest first), each given the tokens it still
 are admitted while ``max_num_seqs``, the token budget and free KV blocks allow. A long
 prompt that does not fit the budget runs in chunks over several steps (chunked prefill).
 
-When a running request cannot get a block, the most recently admitted running request is
-preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
-recomputed from its prompt and the tokens it already generated (outputs do not change).
+A request starting out first adopts the longest chain of prefix-cached blocks matching its
+tokens, so only the rest counts against the budget. ``long_prefill_token_threshold`` caps one
+request's chunk per step so that several long prompts progress together.
+
+When a running request cannot get a block, a victim chosen by the policy (fcfs: the most
+recently admitted) is preempted: its blocks are freed and it goes back to the waiting
+queue, to be recomputed from its prompt and the tokens it already generated (outputs do not
+change; with prefix caching most of its blocks come back as cache hits).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.scheduler.output import ScheduledRequest, SchedulerOutput
+from pagedllm.scheduler.policy import WaitingQueue, outranks, pick_victim
 
 
 @dataclass
@@ -26,13 +31,15 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    long_prefill_token_threshold: int = 0  # 0 = no per-request cap
+    scheduling_policy: str = "fcfs"
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -72,62 +79,108 @@ class Scheduler:
         for fork in request.pending_forks:
             fork.fork_parent = request
             self.requests[fork.request_id] = fork
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ----------------------------------------------------------------- one step
+    def _chunk(self, req: Request, num_computed: int, budget: int) -> int:
+        n = min(req.num_tokens - num_computed, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        policy = self.config.scheduling_policy
         now = time.monotonic()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+        # 1. Running requests, oldest first, each with the tokens it lacks.
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is RequestStatus.PREEMPTED:  # a victim earlier in this loop
+                continue
+            n = self._chunk(req, req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n, token_ids=req.all_token_ids):
+                victim = pick_victim(self.running, policy)
+                budget += self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 out.scheduled.append(self._scheduled(req, n))
                 budget -= n
-                i += 1
 
-        # Admit waiting requests, unless someone was just preempted for lack of blocks.
-        while self.waiting and not out.preempted_ids and budget > 0:
-            req = self.waiting[0]
+        # 2. Waiting requests; under fcfs not in a step that had to preempt for blocks.
+        while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs"):
+            req = self.waiting.peek()
             if len(self.running) + req.num_samples_due > self.config.max_num_seqs:
-                break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
+                refund = self._preempt_for(req, out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
+            hits = self.kv.get_computed_blocks(req.request_id, req.all_token_ids) if req.num_computed_tokens == 0 else []
+            num_computed = req.num_computed_tokens + len(hits) * self.kv.block_size
+            n = self._chunk(req, num_computed, budget)
+            if not self.kv.allocate_slots(req.request_id, num_computed, n, hits, req.all_token_ids):
+                refund = self._preempt_for(req, out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
+            self.waiting.pop()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+                req.num_cached_tokens = num_computed
+                bs = self.kv.block_size
+                out.num_prefix_queries += req.num_tokens
+                out.num_prefix_hits += num_computed
+                out.num_uncacheable_tokens += req.num_tokens - (req.num_tokens - 1) // bs * bs
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
 
         out.block_copies = self.kv.take_pending_copies()
-        assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
+        assert len(self.running) <= self.config.max_num_seqs
+        assert budget == self.config.max_num_batched_tokens - out.num_scheduled_tokens >= 0
         return out
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Priority policy: preempt the lowest-priority running request if ``req`` outranks it.
+
+        Returns the budget given back, or None when nobody may be preempted.
+        """
+        if self.config.scheduling_policy != "priority" or not self.running:
+            return None
+        victim = pick_victim(self.running, "priority")
+        if not outranks(req, victim):
+            return None
+        return self._preempt(victim, out)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens, self.kv.get_block_ids(req.request_id))
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Free a running request's blocks and requeue it; returns the budget it gave back."""
+        self.running.remove(req)
+        refund = 0
+        for k, s in enumerate(out.scheduled):
+            if s.request is req:  # already scheduled this step: withdraw it
+                refund = s.num_new_tokens
+                del out.scheduled[k]
+                break
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
+        out.preempted_ids.append(req.request_id)
+        return refund
 
     # ----------------------------------------------------------------- after the forward
     def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
@@ -181,7 +234,7 @@ class Scheduler:
         for fork in list(req.pending_forks):
             # Sample 0 ends before its prompt is done: its forks start on their own.
             fork.fork_parent = None
-            self.waiting.append(fork)
+            self.waiting.add(fork)
         req.pending_forks = []
         req.status = status
         if stop_reason is not None:

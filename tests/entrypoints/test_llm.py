@@ -167,3 +167,39 @@ def test_two_engines_in_one_process_are_independent(tiny_llama, llm):
     b = other.generate(tok([4, 5, 6]), params, use_tqdm=False)[0].outputs[0].token_ids
     assert a == b
     assert other.llm_engine.kv_cache_manager.num_blocks == 16
+
+
+def test_prefix_cache_hits_reset_and_identical_outputs(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    shared = list(range(10, 74))  # 4 full blocks
+    (cold,) = llm.generate(tok(shared + [1, 2, 3]), params, use_tqdm=False)
+    assert cold.num_cached_tokens == 0
+    (warm,) = llm.generate(tok(shared + [1, 2, 3]), params, use_tqdm=False)
+    assert warm.num_cached_tokens == 64
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    (other,) = llm.generate(tok(shared + [9]), params, use_tqdm=False)
+    assert other.num_cached_tokens == 64
+    llm.reset_prefix_cache()
+    (after_reset,) = llm.generate(tok(shared + [1, 2, 3]), params, use_tqdm=False)
+    assert after_reset.num_cached_tokens == 0
+    assert after_reset.outputs[0].token_ids == cold.outputs[0].token_ids
+    kv = llm.llm_engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == 64
+
+
+def test_priority_policy_in_the_engine(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=12, scheduling_policy="priority", log_stats_interval=1e9)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(tok([3 + i] + list(range(50, 109))), params, f"low{i}", priority=5)
+    engine.step()
+    engine.add_request(tok([7, 8, 9]), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "high", priority=0)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished[0] == "high" and sorted(finished[1:]) == ["low0", "low1", "low2"]
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request(tok([1]), params, priority="high")

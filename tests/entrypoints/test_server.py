@@ -240,3 +240,15 @@ def test_api_key_and_sigterm_during_streams(tiny_llama_tok):
         assert srv.proc.wait(timeout=60) == 0
     finally:
         srv.stop()
+
+
+def test_cached_tokens_in_usage_and_prefix_metrics(server, client, model):
+    prompt = "The same long system prompt. " * 20
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    hits_before = server.metric("pagedllm:prefix_cache_hits_total")
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.choices[0].text == second.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= second.usage.prompt_tokens - 16 and cached % 16 == 0
+    assert server.metric("pagedllm:prefix_cache_hits_total") - hits_before == cached
+    assert server.metric("pagedllm:prefix_cache_queries_total") >= server.metric("pagedllm:prefix_cache_hits_total")

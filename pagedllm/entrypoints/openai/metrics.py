@@ -37,6 +37,14 @@ class ServerMetrics:
         gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", engine.kv_cache_manager.usage)
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r).labels(**labels)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r).labels(**labels)
+        self.prefix_queries = Counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model_name"], registry=r).labels(**labels)
+        self.prefix_hits = Counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model_name"], registry=r).labels(**labels)
+        self.prefix_uncacheable = Counter(
+            "pagedllm:prefix_cache_uncacheable_tokens",
+            "Prompt tokens past the last cacheable full block (never cached; short shared prefixes live here).",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
         self.preemptions = Counter("pagedllm:num_preemptions", "Preemptions.", ["model_name"], registry=r).labels(**labels)
         self.request_success = Counter(
             "pagedllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
@@ -55,6 +63,9 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.preemptions.inc(stats.num_preemptions)
+        self.prefix_queries.inc(stats.num_prefix_queries)
+        self.prefix_hits.inc(stats.num_prefix_hits)
+        self.prefix_uncacheable.inc(stats.num_uncacheable_tokens)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
 

@@ -31,13 +31,15 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _start(llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str) -> list[AsyncIterator[RequestOutput]]:
+async def _start(
+    llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
+) -> list[AsyncIterator[RequestOutput]]:
     """Queue every prompt; if one is rejected, withdraw the ones already queued."""
     streams: list[AsyncIterator[RequestOutput]] = []
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     try:
         for prompt, rid in zip(prompts, ids):
-            streams.append(await llm.add_request(prompt, params, rid))
+            streams.append(await llm.add_request(prompt, params, rid, priority))
     except BaseException:
         for rid in ids[: len(streams)]:
             llm.abort(rid)
@@ -97,7 +99,7 @@ class OpenAIServing:
         prompts = req.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await _start(self.llm, prompts, params, rid)
+        streams = await _start(self.llm, prompts, params, rid, req.priority)
         if req.stream:
             return self._completion_stream(req, params, streams, rid, created)
         n = params.n
@@ -108,6 +110,7 @@ class OpenAIServing:
             if out.finished:
                 finals[i] = out
         prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in finals)
+        cached_tokens = sum(finals[i].num_cached_tokens for i in finals)
         data = []
         for idx, ch in enumerate(choices):
             final = finals[idx // n]
@@ -131,7 +134,7 @@ class OpenAIServing:
             "created": created,
             "model": self.model_name,
             "choices": data,
-            "usage": _usage(prompt_tokens, completion_tokens),
+            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
         }
 
     async def _completion_stream(self, req, params, streams, rid, created) -> AsyncIterator[str]:
@@ -216,12 +219,14 @@ class OpenAIServing:
         params = req.to_sampling_params(self.max_model_len - len(prompt_ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid)
+        streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid, req.priority)
         if req.stream:
             return self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids))
         choices = [_Choice() for _ in range(params.n)]
+        cached_tokens = 0
         async for _, out in _merge(streams):
             self._accumulate(choices, 0, out)
+            cached_tokens = out.num_cached_tokens
         data = []
         for idx, ch in enumerate(choices):
             data.append(
@@ -239,7 +244,7 @@ class OpenAIServing:
             "created": created,
             "model": self.model_name,
             "choices": data,
-            "usage": _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in choices)),
+            "usage": _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in choices), cached_tokens),
         }
 
     async def _chat_stream(self, req, params, stream, rid, created, num_prompt_tokens) -> AsyncIterator[str]:
@@ -295,9 +300,12 @@ class OpenAIServing:
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage

@@ -1,0 +1,74 @@
+"""Prefix-cache benchmark: ``pagedllm bench prefix-cache``.
+
+A ~2,000-token shared system prompt and two different questions, one after the other: the
+second request finds the system prompt's blocks in the cache, so its time to first token
+is mostly the question. Prints both TTFTs, their ratio and the cache hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+_FACT = (
+    "Policy {i}: support agents answer politely, cite the knowledge base article number, never promise "
+    "refunds without a ticket, and escalate outages to the on-call engineer within ten minutes."
+)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system-tokens", type=int, default=2000, help="approximate length of the shared prompt")
+    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+
+
+def _ttft(engine, prompt_ids: list[int], request_id: str) -> float:
+    from pagedllm import SamplingParams
+    from pagedllm.engine.output_processor import RequestOutputKind
+
+    start = time.perf_counter()
+    engine.add_request({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=1), request_id, RequestOutputKind.DELTA)
+    ttft = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if ttft is None and any(c.token_ids for c in out.outputs):
+                ttft = time.perf_counter() - start
+    assert ttft is not None
+    return ttft
+
+
+def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    from pagedllm import LLM
+
+    llm = LLM(**engine_kwargs)
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    system, i = "", 0
+    while len(tok.encode(system)) < args.system_tokens:
+        system += _FACT.format(i=i) + " "
+        i += 1
+
+    def chat(question: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+    _ttft(engine, tok.encode("warm up")[:4], "warmup")
+    q1, q2 = chat("How fast must outages be escalated?"), chat("Can I promise a refund?")
+    first = _ttft(engine, q1, "first")
+    second = _ttft(engine, q2, "second")
+    stats = engine.stats
+    result = {
+        "prompt_tokens": [len(q1), len(q2)],
+        "ttft_first_s": first,
+        "ttft_second_s": second,
+        "ratio": first / second,
+        "prefix_cache_hit_rate": stats.prefix_hits_total / max(1, stats.prefix_queries_total),
+    }
+    print(
+        f"TTFT first {first * 1000:.1f} ms, second {second * 1000:.1f} ms: {result['ratio']:.1f}x faster; "
+        f"prefix cache hit rate {100 * result['prefix_cache_hit_rate']:.1f}% of {stats.prefix_queries_total} prompt tokens"
+    )
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

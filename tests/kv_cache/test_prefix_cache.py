@@ -1,0 +1,143 @@
+"""Prefix caching in the KV manager: textbook cases and a property test."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.kv_cache.block_pool import hash_block
+from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+
+BS = 4
+
+
+def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
+    """Admit a request as the scheduler does: adopt cache hits, allocate the rest."""
+    hits = kv.get_computed_blocks(rid, tokens)
+    computed = len(hits) * BS
+    assert kv.allocate_slots(rid, computed, len(tokens) - computed, hits, tokens)
+    return computed
+
+
+def test_two_requests_sharing_three_full_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    shared = list(range(100, 112))  # 3 full blocks
+    a = shared + [1, 2]
+    b = shared + [7, 8, 9]
+    assert admit(kv, "a", a) == 0
+    assert kv.get_block_ids("a") == [0, 1, 2, 3]
+    assert admit(kv, "b", b) == 12  # three blocks from the cache
+    assert kv.get_block_ids("b") == [0, 1, 2, 4]
+    refs = [kv.block_pool.blocks[i].ref_cnt for i in range(5)]
+    assert refs == [2, 2, 2, 1, 1]
+    h0 = hash_block(None, shared[0:4])
+    h1 = hash_block(h0, shared[4:8])
+    h2 = hash_block(h1, shared[8:12])
+    assert [kv.block_pool.blocks[i].block_hash for i in range(3)] == [h0, h1, h2]
+    assert kv.block_pool.blocks[3].block_hash is None  # partial blocks are never cached
+    assert set(kv.block_pool.cached_blocks) == {h0, h1, h2}
+    kv.check_integrity()
+
+
+def test_last_token_is_always_recomputed():
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    tokens = list(range(8))  # exactly two blocks
+    admit(kv, "a", tokens)
+    kv.free("a")
+    # Both blocks are cached, but the last token must produce logits: only one block is a hit.
+    assert admit(kv, "b", tokens) == 4
+
+
+def test_free_queue_order_is_eviction_order_and_a_miss_evicts_in_that_order():
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=True)
+    admit(kv, "a", list(range(0, 9)))  # blocks 0,1 full + 2 partial
+    admit(kv, "b", list(range(50, 58)) + [1])  # blocks 3,4 full + 5 partial
+    kv.free("a")  # tail first: 2, 1, 0
+    kv.free("b")  # then 5, 4, 3
+    order = [b.block_id for b in kv.block_pool.free_block_queue]
+    assert order == [2, 1, 0, 5, 4, 3]
+    cached_before = dict(kv.block_pool.cached_blocks)
+    assert len(cached_before) == 4
+    # A request that shares nothing takes blocks from the head, evicting in that order.
+    admit(kv, "c", list(range(900, 912)))
+    assert kv.get_block_ids("c") == [2, 1, 0]
+    evicted = {h for h, blk in cached_before.items() if blk.block_id in (1, 0)}
+    assert not evicted & set(kv.block_pool.cached_blocks)
+    assert all(kv.block_pool.blocks[i].block_hash is not None for i in (3, 4))
+    kv.check_integrity()
+
+
+def test_a_hit_revives_a_freed_block():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_caching=True)
+    tokens = list(range(9))
+    admit(kv, "a", tokens)
+    kv.free("a")
+    assert kv.num_free_blocks == 4
+    assert admit(kv, "b", tokens) == 8
+    assert kv.get_block_ids("b")[:2] == [0, 1]
+    assert kv.num_free_blocks == 1
+    kv.check_integrity()
+
+
+def test_reset_clears_everything():
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=True)
+    admit(kv, "a", list(range(9)))
+    kv.free("a")
+    kv.reset_prefix_cache()
+    assert not kv.block_pool.cached_blocks
+    assert all(b.block_hash is None for b in kv.block_pool.blocks)
+    assert admit(kv, "b", list(range(9))) == 0
+    kv.check_integrity()
+
+
+def test_caching_off_never_hits():
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=False)
+    admit(kv, "a", list(range(9)))
+    kv.free("a")
+    assert admit(kv, "b", list(range(9))) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["admit", "grow", "free"]), st.integers(0, 5), st.integers(1, 3), st.integers(1, 9)),
+        max_size=40,
+    )
+)
+def test_random_workloads_keep_the_books(ops):
+    """free + used = total, cached blocks are exactly the hashed ones, no block has two writers."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS, enable_caching=True)
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    for op, rid_n, prefix_kind, length in ops:
+        rid = f"r{rid_n}"
+        if op == "admit" and rid not in tokens:
+            toks = [prefix_kind] * (4 * prefix_kind) + list(range(1000 * rid_n, 1000 * rid_n + length))
+            hits = kv.get_computed_blocks(rid, toks)
+            done = len(hits) * BS
+            if kv.allocate_slots(rid, done, len(toks) - done, hits, toks):
+                tokens[rid], computed[rid] = toks, len(toks)
+            else:
+                kv.free(rid)
+        elif op == "grow" and rid in tokens:
+            toks = tokens[rid]
+            toks.extend(range(5000, 5000 + length))
+            if kv.allocate_slots(rid, computed[rid], len(toks) - computed[rid], token_ids=toks):
+                computed[rid] = len(toks)
+            else:
+                del toks[len(toks) - length :]
+        elif op == "free" and rid in tokens:
+            kv.free(rid)
+            del tokens[rid], computed[rid]
+        kv.check_integrity()
+        pool = kv.block_pool
+        used = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks}
+        assert pool.num_free_blocks + len(used) == pool.num_blocks
+        # A block being written (partial, or the next to fill) belongs to one request only.
+        for r, blocks in kv.req_to_blocks.items():
+            if r in computed and computed[r] % BS:
+                assert blocks[computed[r] // BS].ref_cnt == 1
+    for rid in list(tokens):
+        kv.free(rid)
+    assert kv.num_free_blocks == 12
+    kv.check_integrity()
