@@ -58,6 +58,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's prefill chunk per step
     scheduling_policy: str = "fcfs"  # or "priority"
+    preemption_mode: str = "recompute"  # or "swap"
+    swap_space: float = 4.0  # GiB of secondary KV pool, used with preemption_mode="swap"
+    swap_path: str | None = None  # back the swap pool with this memory-mapped file instead of RAM
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -73,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not (isinstance(self.swap_space, (int, float)) and self.swap_space > 0):
+            raise ValueError(f"swap_space must be positive (GiB), got {self.swap_space!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
 

@@ -91,6 +91,9 @@ CONFIGS = {
     "block_size=32": dict(block_size=32),
     "no-prefix-caching": dict(enable_prefix_caching=False),
     "tiny-pool-preemption-chunk32": dict(num_kv_blocks=130, max_num_batched_tokens=32),
+    "tiny-pool-preemption-swap": dict(
+        num_kv_blocks=130, max_num_batched_tokens=512, preemption_mode="swap", swap_space=0.5, enable_prefix_caching=False
+    ),
 }
 
 
@@ -112,6 +115,8 @@ def test_greedy_parity_with_transformers(config, prompts, oracle):
     if config.startswith("tiny-pool-preemption"):
         assert llm.llm_engine.num_preemptions_total > 0
         assert any(o.num_preemptions > 0 for o in outs)
+    if config.endswith("swap"):
+        assert kv.num_swap_outs > 0
     if config == "default+warm-rerun":
         warm = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False

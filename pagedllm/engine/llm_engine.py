@@ -65,7 +65,10 @@ class LLMEngine:
             num_blocks = int(space * (1 << 30) // block_bytes)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        num_swap_blocks = int(config.swap_space * (1 << 30) // block_bytes) if config.preemption_mode == "swap" else 0
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=num_swap_blocks
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -73,6 +76,7 @@ class LLMEngine:
                 max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 scheduling_policy=config.scheduling_policy,
+                preemption_mode=config.preemption_mode,
             ),
             self.kv_cache_manager,
         )
@@ -85,6 +89,8 @@ class LLMEngine:
             dtype=dtype,
             attention_backend=config.attention_backend,
             seed=config.seed,
+            num_swap_blocks=num_swap_blocks,
+            swap_path=config.swap_path,
         )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).

@@ -8,7 +8,7 @@ never sees text.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -38,7 +38,6 @@ class _Parent:
     samples: list[_Sample]
     sent_prompt_logprobs: bool = False
     dirty: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class OutputProcessor:

@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, blocks freed, to be recomputed
+    SWAPPED = "swapped"  # back in the waiting queue, blocks copied to the swap pool
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

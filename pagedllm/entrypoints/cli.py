@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse the KV blocks of shared prompt prefixes (default: on)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap on one request's prefill chunk per step; 0 = none (default: %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower request priority first) (default: %(default)s)")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"], help="what preemption does with the victim's KV blocks (default: %(default)s)")
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of secondary KV pool for --preemption-mode swap (default: %(default)s)")
+    g.add_argument("--swap-path", default=None, help="memory-mapped file backing the swap pool (default: RAM)")
     g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["torch_sdpa", "reference"], help="paged-attention implementation (default: %(default)s)")
 
 

@@ -38,6 +38,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
+        preemption_mode: str = "recompute",
+        swap_space: float = 4.0,
+        swap_path: str | None = None,
         log_stats_interval: float = 5.0,
     ):
         config = EngineConfig(
@@ -54,6 +57,9 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold,
             scheduling_policy=scheduling_policy,
+            preemption_mode=preemption_mode,
+            swap_space=swap_space,
+            swap_path=swap_path,
         )
         self.llm_engine = LLMEngine(config, log_stats_interval=log_stats_interval)
 

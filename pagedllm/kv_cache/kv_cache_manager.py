@@ -24,7 +24,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_swap_blocks: int = 0):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -33,6 +33,12 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # Swap preemption: a secondary pool holding the blocks of swapped-out requests.
+        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
+        self.req_to_swapped: dict[str, list[KVBlock]] = {}
+        self._pending_swap_out: list[tuple[int, int]] = []  # (primary block, swap block)
+        self._pending_swap_in: list[tuple[int, int]] = []  # (swap block, primary block)
+        self.num_swap_outs = 0
 
     @property
     def num_blocks(self) -> int:
@@ -126,10 +132,48 @@ class KVCacheManager:
         self.req_to_blocks[child_id] = list(parent)
 
     def free(self, request_id: str) -> None:
-        """Release a request's blocks; its tail goes into the free queue first."""
+        """Release a request's blocks (and swapped copies); its tail goes into the free queue first."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.req_to_hashes.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+        swapped = self.req_to_swapped.pop(request_id, None)
+        if swapped and self.swap_pool is not None:
+            self.swap_pool.free_blocks(swapped)
+
+    def swap_out(self, request_id: str) -> bool:
+        """Move a request's blocks to the swap pool (copied before the next forward)."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        if self.swap_pool is None or not blocks or len(blocks) > self.swap_pool.num_free_blocks:
+            return False
+        dst = self.swap_pool.get_new_blocks(len(blocks))
+        self._pending_swap_out += [(b.block_id, d.block_id) for b, d in zip(blocks, dst)]
+        self.free(request_id)
+        self.req_to_swapped[request_id] = dst
+        self.num_swap_outs += 1
+        return True
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.req_to_swapped
+
+    def swap_in(self, request_id: str, num_tokens_after: int) -> bool:
+        """Bring a swapped request back, with room for ``num_tokens_after`` tokens in all."""
+        swapped = self.req_to_swapped[request_id]
+        needed = max(len(swapped), self.num_blocks_for(num_tokens_after))
+        if needed > self.block_pool.num_free_blocks:
+            return False
+        new = self.block_pool.get_new_blocks(len(swapped))
+        self._pending_swap_in += [(s.block_id, b.block_id) for s, b in zip(swapped, new)]
+        assert self.swap_pool is not None
+        self.swap_pool.free_blocks(swapped)
+        del self.req_to_swapped[request_id]
+        self.req_to_blocks[request_id] = new
+        return True
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap-out, swap-in) block pairs; the runner applies swap-outs first."""
+        out, inn = self._pending_swap_out, self._pending_swap_in
+        self._pending_swap_out, self._pending_swap_in = [], []
+        return out, inn
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -152,3 +196,7 @@ class KVCacheManager:
         for b in self.block_pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"{b} has {refs.get(b.block_id, 0)} owners"
         assert self.block_pool.num_free_blocks + len(refs) == self.num_blocks
+        if self.swap_pool is not None:
+            self.swap_pool.check_integrity()
+            swapped = sum(len(v) for v in self.req_to_swapped.values())
+            assert self.swap_pool.num_used_blocks == swapped

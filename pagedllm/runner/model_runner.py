@@ -48,6 +48,8 @@ class ModelRunner:
         attention_backend: str,
         seed: int,
         device: torch.device | str = "cpu",
+        num_swap_blocks: int = 0,
+        swap_path: str | None = None,
     ):
         self.model = model
         self.arch = model.arch
@@ -60,6 +62,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.arch.num_layers)
         ]
+        self.swap_caches = self._allocate_swap(num_swap_blocks, shape[1:], dtype, swap_path)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # Host staging buffer for block tables, allocated once.
         self._block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
@@ -81,6 +84,34 @@ class ModelRunner:
             self._generators[req.request_id] = g
         return g
 
+    def _allocate_swap(
+        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, path: str | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The secondary pool for swap preemption: host memory, or a memory-mapped file."""
+        if num_blocks <= 0:
+            return []
+        per_cache = num_blocks * int(torch.Size(block_shape).numel())
+        total = 2 * self.arch.num_layers * per_cache
+        if path is not None:
+            flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
+        else:
+            flat = torch.zeros(total, dtype=dtype)
+        views = flat.view(2 * self.arch.num_layers, num_blocks, *block_shape)
+        return [(views[2 * i], views[2 * i + 1]) for i in range(self.arch.num_layers)]
+
+    def _swap(self, pairs: list[tuple[int, int]], to_swap: bool) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs])
+        for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches):
+            if to_swap:
+                sk.index_copy_(0, dst, k[src.to(k.device)].to(sk.device))
+                sv.index_copy_(0, dst, v[src.to(v.device)].to(sv.device))
+            else:
+                k.index_copy_(0, dst.to(k.device), sk[src].to(k.device))
+                v.index_copy_(0, dst.to(v.device), sv[src].to(v.device))
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -92,6 +123,10 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
         """Run one step: sampled tokens (and log-probabilities) for each scheduled request."""
+        # Order matters: save swapped-out blocks before anyone reuses them, restore swapped-in
+        # ones, then copy-on-write copies, then the forward writes new K/V.
+        self._swap(out.swap_out, to_swap=True)
+        self._swap(out.swap_in, to_swap=False)
         self._copy_blocks(out.block_copies)
         sched = out.scheduled
         # Decode rows (one query token) first: the backend batches them in one call.

@@ -28,6 +28,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Copy-on-write block copies (src, dst) to apply before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Swap preemption: (primary, swap) block copies to save, then (swap, primary) to restore.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Prefix cache, in tokens, for requests admitted for the first time this step.
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0

@@ -33,6 +33,7 @@ class SchedulerConfig:
     max_model_len: int
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap
     scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"  # or "swap"
 
 
 class Scheduler:
@@ -100,7 +101,7 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is RequestStatus.PREEMPTED:  # a victim earlier in this loop
+            if req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):  # a victim earlier in this loop
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n, token_ids=req.all_token_ids):
@@ -121,10 +122,18 @@ class Scheduler:
                     break
                 budget += refund
                 continue
+            swapped = req.status is RequestStatus.SWAPPED
             hits = self.kv.get_computed_blocks(req.request_id, req.all_token_ids) if req.num_computed_tokens == 0 else []
             num_computed = req.num_computed_tokens + len(hits) * self.kv.block_size
             n = self._chunk(req, num_computed, budget)
+            if swapped and not self.kv.swap_in(req.request_id, num_computed + n):
+                refund = self._preempt_for(req, out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             if not self.kv.allocate_slots(req.request_id, num_computed, n, hits, req.all_token_ids):
+                assert not swapped  # swap_in reserved room for these tokens
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break
@@ -145,6 +154,7 @@ class Scheduler:
             budget -= n
 
         out.block_copies = self.kv.take_pending_copies()
+        out.swap_out, out.swap_in = self.kv.take_pending_swaps()
         assert len(self.running) <= self.config.max_num_seqs
         assert budget == self.config.max_num_batched_tokens - out.num_scheduled_tokens >= 0
         return out
@@ -173,9 +183,12 @@ class Scheduler:
                 refund = s.num_new_tokens
                 del out.scheduled[k]
                 break
-        self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+        if self.config.preemption_mode == "swap" and self.kv.swap_out(req.request_id):
+            req.status = RequestStatus.SWAPPED  # keeps num_computed_tokens: nothing to recompute
+        else:  # recompute (also the fallback when the swap pool is full)
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add_preempted(req)

@@ -203,3 +203,34 @@ def test_priority_policy_in_the_engine(tiny_llama):
     assert finished[0] == "high" and sorted(finished[1:]) == ["low0", "low1", "low2"]
     with pytest.raises(ValueError, match="priority"):
         engine.add_request(tok([1]), params, priority="high")
+
+
+@pytest.mark.parametrize("swap_path", [False, True])
+def test_swap_preemption_keeps_outputs(tiny_llama, llm, tmp_path, swap_path):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [tok(list(range(3 + i, 35 + i))) for i in range(6)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(
+        str(tiny_llama),
+        dtype="float32",
+        num_kv_blocks=8,
+        preemption_mode="swap",
+        swap_space=0.001,
+        swap_path=str(tmp_path / "swap.bin") if swap_path else None,
+        enable_prefix_caching=False,
+        log_stats_interval=1e9,
+    )
+    engine = tight.llm_engine
+    swapped = 0
+    for p in prompts:
+        engine.add_request(p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+        swapped += len(engine.kv_cache_manager.req_to_swapped)
+        engine.kv_cache_manager.check_integrity()
+    assert swapped > 0 and engine.num_preemptions_total > 0 and engine.kv_cache_manager.num_swap_outs > 0
+    assert [outs[k].outputs[0].token_ids for k in sorted(outs, key=int)] == expected
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == 8 and kv.swap_pool.num_free_blocks == kv.swap_pool.num_blocks
