@@ -8,8 +8,9 @@ is mostly the question. Prints both TTFTs, their ratio and the cache hit rate.
 from __future__ import annotations
 
 import argparse
-import json
 import time
+
+from pagedllm.bench.common import report
 
 _FACT = (
     "Policy {i}: support agents answer politely, cite the knowledge base article number, never promise "
@@ -64,11 +65,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         "ratio": first / second,
         "prefix_cache_hit_rate": stats.prefix_hits_total / max(1, stats.prefix_queries_total),
     }
-    print(
+    line = (
         f"TTFT first {first * 1000:.1f} ms, second {second * 1000:.1f} ms: {result['ratio']:.1f}x faster; "
         f"prefix cache hit rate {100 * result['prefix_cache_hit_rate']:.1f}% of {stats.prefix_queries_total} prompt tokens"
     )
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return report(result, line, args.save_result)

@@ -24,6 +24,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_weights, resolve_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner, kv_block_bytes
+from pagedllm.runner.threads import configure_threads
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedllm.tokenizer import load_tokenizer
@@ -37,6 +38,7 @@ PromptType = str | Mapping[str, Any]
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0):
         configure_logging()
+        configure_threads()
         self.config = config
         t0 = time.perf_counter()
         self.source = resolve_model(config.model)
@@ -121,7 +123,12 @@ class LLMEngine:
             max_model_len,
             num_tokens / max_model_len,
         )
-        logger.info("engine ready in %.1f s (threads: %d)", time.perf_counter() - t0, torch.get_num_threads())
+        logger.info(
+            "engine ready in %.1f s (threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
+            time.perf_counter() - t0,
+            torch.get_num_threads(),
+            torch.get_num_interop_threads(),
+        )
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> str:

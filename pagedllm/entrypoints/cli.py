@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
 
     throughput.add_args(tp)
     tp.set_defaults(func=_bench_throughput)
+    lat = bench.add_parser("latency", help="single-stream TTFT and ms per output token (W2)")
+    add_engine_args(lat)
+    from pagedllm.bench import latency
+
+    latency.add_args(lat)
+    lat.set_defaults(func=lambda a: latency.run(a, engine_config_from_args(a).to_dict()) and 0)
     pc = bench.add_parser("prefix-cache", help="TTFT with and without a cached 2,000-token system prompt")
     add_engine_args(pc)
     from pagedllm.bench import prefix_cache
