@@ -252,3 +252,15 @@ def test_cached_tokens_in_usage_and_prefix_metrics(server, client, model):
     assert cached >= second.usage.prompt_tokens - 16 and cached % 16 == 0
     assert server.metric("pagedllm:prefix_cache_hits_total") - hits_before == cached
     assert server.metric("pagedllm:prefix_cache_queries_total") >= server.metric("pagedllm:prefix_cache_hits_total")
+
+
+def test_echo_with_logprobs(client, model):
+    prompt = "Echo this prompt"
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    c = out.choices[0]
+    assert c.text.startswith(prompt)
+    lp = c.logprobs
+    assert len(lp.tokens) == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[: out.usage.prompt_tokens]) == prompt
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)

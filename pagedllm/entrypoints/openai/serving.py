@@ -105,8 +105,11 @@ class OpenAIServing:
         n = params.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
         finals: dict[int, RequestOutput] = {}
+        prompt_lps: dict[int, list] = {}  # delta outputs carry prompt logprobs once, early
         async for i, out in _merge(streams):
             self._accumulate(choices, i * n, out)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
             if out.finished:
                 finals[i] = out
         prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in finals)
@@ -121,7 +124,7 @@ class OpenAIServing:
             if params.logprobs is not None:
                 entries: list[tuple[int, PositionLogprobs | None]] = []
                 if req.echo:
-                    entries += list(zip(final.prompt_token_ids, final.prompt_logprobs or [None] * len(final.prompt_token_ids)))
+                    entries += list(zip(final.prompt_token_ids, prompt_lps[idx // n]))
                 entries += list(zip(ch.token_ids, ch.logprobs))
                 logprobs = self._completion_logprobs(entries, params.logprobs)
             data.append(
