@@ -73,7 +73,11 @@ class AsyncLLM:
         stream = _Stream(loop)
         self._commands.put(("add", request_id, prompt, sampling_params, stream, accepted, priority))
         self._wakeup.set()
-        await accepted
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the caller left while the engine was adding it
+            self.abort(request_id)
+            raise
         return self._outputs(request_id, stream)
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:

@@ -32,6 +32,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
         self._pending_copies: list[tuple[int, int]] = []
         # Swap preemption: a secondary pool holding the blocks of swapped-out requests.
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
@@ -85,14 +86,12 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         computed_blocks: Sequence[KVBlock] = (),
-        token_ids: Sequence[int] | None = None,
     ) -> bool:
         """Make room for ``num_new_tokens`` after the first ``num_computed_tokens``.
 
         ``computed_blocks`` are prefix-cache hits to adopt (a request starting out, whose
         ``num_computed_tokens`` they cover). Returns False, changing nothing, when the pool
         has too few free blocks; the scheduler then preempts someone and tries again.
-        ``token_ids`` (the request's tokens) lets blocks that become full join the cache.
         """
         blocks = self.req_to_blocks.setdefault(request_id, [])
         if computed_blocks:
@@ -115,13 +114,23 @@ class KVCacheManager:
             self.block_pool.free_blocks([blocks[i]])
             blocks[i] = copy
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        if self.enable_caching and token_ids is not None:
-            # Blocks full after this step are registered now: their K/V is written by this
-            # step's forward, before any later step can read them.
-            hashes = self._block_hashes(request_id, token_ids, end)
-            for i in range(first, min(end // self.block_size, len(hashes))):
-                self.block_pool.cache_block(blocks[i], hashes[i])
         return True
+
+    def cache_blocks(self, request_id: str, num_computed_tokens: int, token_ids: Sequence[int]) -> None:
+        """Register the request's blocks that are full of computed K/V in the prefix cache.
+
+        Called after the step that computed them (not at allocation): a request withdrawn
+        from a step before it ran must not leave unwritten blocks findable by content.
+        """
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request_id, [])
+        hashes = self._block_hashes(request_id, token_ids, num_computed_tokens)
+        start = self._num_registered.get(request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(hashes), len(blocks))
+        for i in range(start, end):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self._num_registered[request_id] = max(start, end)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (shared, reference-counted)."""
@@ -135,6 +144,7 @@ class KVCacheManager:
         """Release a request's blocks (and swapped copies); its tail goes into the free queue first."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.req_to_hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
         swapped = self.req_to_swapped.pop(request_id, None)
         if swapped and self.swap_pool is not None:

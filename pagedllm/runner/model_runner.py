@@ -123,11 +123,12 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
         """Run one step: sampled tokens (and log-probabilities) for each scheduled request."""
-        # Order matters: save swapped-out blocks before anyone reuses them, restore swapped-in
-        # ones, then copy-on-write copies, then the forward writes new K/V.
+        # Order matters: save swapped-out blocks before anyone reuses them; copy-on-write
+        # copies read their sources before a swap-in may reuse a block freed this step;
+        # swap-ins last overwrite whatever a withdrawn copy wrote; then the forward.
         self._swap(out.swap_out, to_swap=True)
-        self._swap(out.swap_in, to_swap=False)
         self._copy_blocks(out.block_copies)
+        self._swap(out.swap_in, to_swap=False)
         sched = out.scheduled
         # Decode rows (one query token) first: the backend batches them in one call.
         order = sorted(range(len(sched)), key=lambda i: sched[i].num_new_tokens != 1)

@@ -104,7 +104,7 @@ class Scheduler:
             if req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):  # a victim earlier in this loop
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n, token_ids=req.all_token_ids):
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
                 victim = pick_victim(self.running, policy)
                 budget += self._preempt(victim, out)
                 if victim is req:
@@ -116,14 +116,20 @@ class Scheduler:
         # 2. Waiting requests; under fcfs not in a step that had to preempt for blocks.
         while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs"):
             req = self.waiting.peek()
-            if len(self.running) + req.num_samples_due > self.config.max_num_seqs:
+            if self._num_running_seqs() + req.num_samples_due > self.config.max_num_seqs:
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break
                 budget += refund
                 continue
             swapped = req.status is RequestStatus.SWAPPED
-            hits = self.kv.get_computed_blocks(req.request_id, req.all_token_ids) if req.num_computed_tokens == 0 else []
+            # Prompt logprobs need every prompt position computed: no cache hits for them.
+            wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
+            hits = (
+                self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+                if req.num_computed_tokens == 0 and not wants_prompt_logprobs
+                else []
+            )
             num_computed = req.num_computed_tokens + len(hits) * self.kv.block_size
             n = self._chunk(req, num_computed, budget)
             if swapped and not self.kv.swap_in(req.request_id, num_computed + n):
@@ -132,7 +138,7 @@ class Scheduler:
                     break
                 budget += refund
                 continue
-            if not self.kv.allocate_slots(req.request_id, num_computed, n, hits, req.all_token_ids):
+            if not self.kv.allocate_slots(req.request_id, num_computed, n, hits):
                 assert not swapped  # swap_in reserved room for these tokens
                 refund = self._preempt_for(req, out)
                 if refund is None:
@@ -155,9 +161,13 @@ class Scheduler:
 
         out.block_copies = self.kv.take_pending_copies()
         out.swap_out, out.swap_in = self.kv.take_pending_swaps()
-        assert len(self.running) <= self.config.max_num_seqs
+        assert self._num_running_seqs() <= self.config.max_num_seqs
         assert budget == self.config.max_num_batched_tokens - out.num_scheduled_tokens >= 0
         return out
+
+    def _num_running_seqs(self) -> int:
+        """Sequences running now or once their parallel samples fork (n > 1)."""
+        return sum(r.num_samples_due for r in self.running)
 
     def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
         """Priority policy: preempt the lowest-priority running request if ``req`` outranks it.
@@ -208,6 +218,7 @@ class Scheduler:
         for sched, tokens in zip(out.scheduled, sampled):
             req = sched.request
             req.num_computed_tokens += sched.num_new_tokens
+            self.kv.cache_blocks(req.request_id, req.num_computed_tokens, req.all_token_ids)
             if not tokens:
                 continue
             forks, req.pending_forks = req.pending_forks, []

@@ -178,3 +178,26 @@ def test_chat_renders_the_template_and_rejects_malformed_messages(llm):
         with pytest.raises(ValueError, match=match):
             llm.chat(bad, use_tqdm=False)
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_prompt_logprobs_are_complete_even_when_the_prefix_is_cached(llm):
+    prompt = {"prompt_token_ids": list(range(3000, 3040))}  # 2.5 blocks, cached after the first run
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    second = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert len(first.prompt_logprobs) == len(second.prompt_logprobs) == 40
+    for tid, a, b in zip(prompt["prompt_token_ids"][1:], first.prompt_logprobs[1:], second.prompt_logprobs[1:]):
+        assert a[tid].logprob == pytest.approx(b[tid].logprob, abs=1e-5)
+
+
+def test_parallel_samples_count_against_max_num_seqs(tiny_llama_tok):
+    small = LLM(str(tiny_llama_tok), dtype="float32", num_kv_blocks=64, max_num_seqs=4, log_stats_interval=1e9)
+    engine = small.llm_engine
+    engine.add_request("a", SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    for p in ("b", "c", "d"):
+        engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+        assert len(engine.scheduler.running) <= 4
+    assert len(done) == 4 and sum(len(o.outputs) for o in done) == 6

@@ -12,10 +12,11 @@ BS = 4
 
 
 def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
-    """Admit a request as the scheduler does: adopt cache hits, allocate the rest."""
+    """Admit a request as the scheduler does: adopt cache hits, allocate the rest, run the step."""
     hits = kv.get_computed_blocks(rid, tokens)
     computed = len(hits) * BS
-    assert kv.allocate_slots(rid, computed, len(tokens) - computed, hits, tokens)
+    assert kv.allocate_slots(rid, computed, len(tokens) - computed, hits)
+    kv.cache_blocks(rid, len(tokens), tokens)  # after the forward computed them
     return computed
 
 
@@ -115,14 +116,16 @@ def test_random_workloads_keep_the_books(ops):
             toks = [prefix_kind] * (4 * prefix_kind) + list(range(1000 * rid_n, 1000 * rid_n + length))
             hits = kv.get_computed_blocks(rid, toks)
             done = len(hits) * BS
-            if kv.allocate_slots(rid, done, len(toks) - done, hits, toks):
+            if kv.allocate_slots(rid, done, len(toks) - done, hits):
+                kv.cache_blocks(rid, len(toks), toks)
                 tokens[rid], computed[rid] = toks, len(toks)
             else:
                 kv.free(rid)
         elif op == "grow" and rid in tokens:
             toks = tokens[rid]
             toks.extend(range(5000, 5000 + length))
-            if kv.allocate_slots(rid, computed[rid], len(toks) - computed[rid], token_ids=toks):
+            if kv.allocate_slots(rid, computed[rid], len(toks) - computed[rid]):
+                kv.cache_blocks(rid, len(toks), toks)
                 computed[rid] = len(toks)
             else:
                 del toks[len(toks) - length :]
@@ -141,3 +144,13 @@ def test_random_workloads_keep_the_books(ops):
         kv.free(rid)
     assert kv.num_free_blocks == 12
     kv.check_integrity()
+
+
+def test_blocks_join_the_cache_only_once_computed():
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=True)
+    tokens = list(range(9))
+    assert kv.allocate_slots("a", 0, 9)
+    # Allocated but not yet computed (e.g. withdrawn from the step): nothing is findable.
+    assert kv.get_computed_blocks("b", tokens) == []
+    kv.free("a")
+    assert not kv.block_pool.cached_blocks

@@ -31,20 +31,35 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _request_ids(base_id: str, n_prompts: int) -> list[str]:
+    return [base_id if n_prompts == 1 else f"{base_id}-{i}" for i in range(n_prompts)]
+
+
 async def _start(
     llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
 ) -> list[AsyncIterator[RequestOutput]]:
-    """Queue every prompt; if one is rejected, withdraw the ones already queued."""
+    """Queue every prompt; if one is rejected, withdraw all of them."""
     streams: list[AsyncIterator[RequestOutput]] = []
-    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    ids = _request_ids(base_id, len(prompts))
     try:
         for prompt, rid in zip(prompts, ids):
             streams.append(await llm.add_request(prompt, params, rid, priority))
     except BaseException:
-        for rid in ids[: len(streams)]:
+        for rid in ids:  # aborting an unknown or finished id is a no-op
             llm.abort(rid)
         raise
     return streams
+
+
+async def _aborting_on_exit(llm: AsyncLLM, ids: list[str], body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Stream ``body``; if the client leaves early (even before the first engine output was
+    awaited, when no output stream has started yet), abort the requests."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        for rid in ids:
+            llm.abort(rid)
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -79,7 +94,9 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
     finally:
         for t in tasks:
             t.cancel()
-        for s in streams:  # closing runs their cleanup (abort) now, not at garbage collection
+        # Let the pumps unwind first: closing a stream a pump still iterates would raise.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:  # runs their cleanup (abort) now, not at garbage collection
             await s.aclose()
 
 
@@ -101,7 +118,8 @@ class OpenAIServing:
         created = int(time.time())
         streams = await _start(self.llm, prompts, params, rid, req.priority)
         if req.stream:
-            return self._completion_stream(req, params, streams, rid, created)
+            ids = _request_ids(rid, len(prompts))
+            return _aborting_on_exit(self.llm, ids, self._completion_stream(req, params, streams, rid, created))
         n = params.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
         finals: dict[int, RequestOutput] = {}
@@ -224,7 +242,7 @@ class OpenAIServing:
         created = int(time.time())
         streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid, req.priority)
         if req.stream:
-            return self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids))
+            return _aborting_on_exit(self.llm, [rid], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids)))
         choices = [_Choice() for _ in range(params.n)]
         cached_tokens = 0
         async for _, out in _merge(streams):
