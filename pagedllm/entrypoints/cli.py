@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
 
     latency.add_args(lat)
     lat.set_defaults(func=lambda a: latency.run(a, engine_config_from_args(a).to_dict()) and 0)
+    sv = bench.add_parser("serve", help="drive a running OpenAI-compatible server (ours or any other)")
+    from pagedllm.bench import serve as bench_serve
+
+    bench_serve.add_args(sv)
+    sv.set_defaults(func=lambda a: bench_serve.run(a) and 0)
     pc = bench.add_parser("prefix-cache", help="TTFT with and without a cached 2,000-token system prompt")
     add_engine_args(pc)
     from pagedllm.bench import prefix_cache

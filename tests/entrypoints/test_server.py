@@ -264,3 +264,18 @@ def test_echo_with_logprobs(client, model):
     assert lp.token_logprobs[0] is None and all(isinstance(x, float) for x in lp.token_logprobs[1:])
     assert "".join(lp.tokens[: out.usage.prompt_tokens]) == prompt
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_bench_serve_drives_the_server(server, model, tmp_path):
+    """`pagedllm bench serve` against our own server: every request succeeds, figures are sane."""
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "serve.json"
+    args = ["bench", "serve", "--base-url", server.url, "--input-len", "16", "--output-len", "6",
+            "--num-prompts", "8", "--request-rate", "20", "--goodput", "ttft:60000", "--save-result", str(out)]  # fmt: skip
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["model"] == model
+    assert res["successful_requests"] == 8 and res["failed_requests"] == 0
+    assert res["output_token_throughput"] > 0 and res["goodput"] > 0
+    assert 0 < res["ttft_ms"]["median"] <= res["e2el_ms"]["median"]
