@@ -16,7 +16,7 @@ from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.engine.request import Request
-from pagedllm.sampler.sampler import RowLogprobs, Sampler, SamplingBatch
+from pagedllm.sampler.sampler import RowLogprobs, Sampler, SamplingBatch, gather_logprobs
 from pagedllm.scheduler.output import SchedulerOutput
 
 
@@ -252,19 +252,7 @@ class ModelRunner:
             if first >= last:
                 continue
             base = int(query_start_loc[row]) - s.num_computed_tokens
-            logits = self.model.compute_logits(hidden[base + first : base + last])
-            logprobs = logits.log_softmax(dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logits.device)
-            chosen = logprobs.gather(1, targets[:, None])[:, 0]
-            ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-            top = logprobs.topk(k, dim=-1) if k > 0 else None
-            result.prompt_logprobs.setdefault(req.request_id, [])
-            for j in range(last - first):
-                result.prompt_logprobs[req.request_id].append(
-                    RowLogprobs(
-                        token_logprob=float(chosen[j]),
-                        token_rank=int(ranks[j]),
-                        top_ids=top.indices[j].tolist() if top is not None else [],
-                        top_logprobs=top.values[j].tolist() if top is not None else [],
-                    )
-                )
+            logprobs = self.model.compute_logits(hidden[base + first : base + last]).log_softmax(dim=-1)
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logprobs.device)
+            entries = gather_logprobs(logprobs, targets, [k] * (last - first))
+            result.prompt_logprobs.setdefault(req.request_id, []).extend(entries)

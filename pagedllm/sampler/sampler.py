@@ -59,6 +59,31 @@ class SamplerOutput:
     logprobs: list[RowLogprobs | None]
 
 
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int | None]) -> list[RowLogprobs | None]:
+    """Per row: the log-probability and 1-based rank of ``token_ids[row]``, plus the top-k.
+
+    ``logprobs`` [rows, vocab] is a log-softmax; rows whose k is None get None.
+    """
+    wanted = [k for k in ks if k is not None]
+    if not wanted:
+        return [None] * len(ks)
+    k_max = max(wanted)
+    top = logprobs.topk(k_max, dim=-1) if k_max > 0 else None
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    return [
+        None
+        if k is None
+        else RowLogprobs(
+            token_logprob=float(chosen[row]),
+            token_rank=int(ranks[row]),
+            top_ids=top.indices[row, :k].tolist() if top is not None else [],
+            top_logprobs=top.values[row, :k].tolist() if top is not None else [],
+        )
+        for row, k in enumerate(ks)
+    ]
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """In place, on the penalized rows: repetition (HF), then frequency and presence (OpenAI)."""
     rows = torch.tensor(batch.penalty_rows, device=logits.device)
@@ -143,22 +168,9 @@ class Sampler:
             tokens = torch.where(is_greedy, tokens, sampled)
 
         token_list = tokens.tolist()
-        row_logprobs: list[RowLogprobs | None] = [None] * len(token_list)
-        if raw_logprobs is not None:
-            k_max = max(k for k in batch.num_logprobs if k is not None)
-            top = raw_logprobs.topk(k_max, dim=-1) if k_max > 0 else None
-            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
-            ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
-            for row, k in enumerate(batch.num_logprobs):
-                if k is None:
-                    continue
-                row_logprobs[row] = RowLogprobs(
-                    token_logprob=float(chosen[row]),
-                    token_rank=int(ranks[row]),
-                    top_ids=top.indices[row, :k].tolist() if top is not None else [],
-                    top_logprobs=top.values[row, :k].tolist() if top is not None else [],
-                )
-        return SamplerOutput(token_list, row_logprobs)
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(token_list))
+        return SamplerOutput(token_list, gather_logprobs(raw_logprobs, tokens, batch.num_logprobs))
 
     def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty_like(probs)
