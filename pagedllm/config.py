@@ -54,7 +54,8 @@ class EngineConfig:
     kv_cache_space: float | None = None  # GiB
     num_kv_blocks: int | None = None
     seed: int = 0
-    attention_backend: str = "torch_sdpa"
+    attention_backend: str = "auto"  # auto | cpu_native | torch_sdpa | reference
+    packed_weights: bool = True  # GGUF models: small batches read the quantized blocks directly
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's prefill chunk per step
     scheduling_policy: str = "fcfs"  # or "priority"

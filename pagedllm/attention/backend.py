@@ -75,14 +75,27 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor: ...
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
+    """The named backend; "auto" = the native CPU kernel where it runs (fp32 KV on CPU and
+    the kernel library built), else torch_sdpa."""
+    from pagedllm.attention.cpu_native import NativeCPUAttention
     from pagedllm.attention.reference import ReferenceAttention
     from pagedllm.attention.torch_sdpa import TorchSDPAAttention
+    from pagedllm.kernels.ops import native_available
 
     backends: dict[str, type[AttentionBackend]] = {
+        NativeCPUAttention.name: NativeCPUAttention,
         ReferenceAttention.name: ReferenceAttention,
         TorchSDPAAttention.name: TorchSDPAAttention,
     }
+    native_ok = dtype == torch.float32 and device.type == "cpu" and native_available()
+    if name == "auto":
+        name = NativeCPUAttention.name if native_ok else TorchSDPAAttention.name
     if name not in backends:
-        raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}")
+        raise ValueError(f"attention_backend must be auto or one of {sorted(backends)}, got {name!r}")
+    if name == NativeCPUAttention.name and not native_ok:
+        raise ValueError(
+            "attention_backend 'cpu_native' needs float32 on CPU and the native kernels "
+            "(a C++ compiler; see the log); use 'auto' or 'torch_sdpa'"
+        )
     return backends[name]()

@@ -21,6 +21,7 @@ from pagedllm.engine.stats import StatsLogger, StepStats
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.logger import configure_logging
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.kernels.ops import native_available
 from pagedllm.model.loader import load_weights, resolve_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner, kv_block_bytes
@@ -42,7 +43,7 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         self.source = resolve_model(config.model)
-        arch, state = load_weights(self.source)
+        arch, state, packed = load_weights(self.source)
         self.arch = arch
         max_model_len = config.max_model_len or arch.max_position_embeddings
         if max_model_len > arch.max_position_embeddings:
@@ -53,6 +54,10 @@ class LLMEngine:
         dtype = config.torch_dtype
         model = LlamaForCausalLM.from_hf_state_dict(arch, state, dtype, max_model_len)
         del state
+        if config.packed_weights and packed and native_available():
+            n = model.attach_packed(packed)
+            logger.info("%d linear layers also keep their GGUF blocks for small batches", n)
+        del packed
         self.tokenizer = load_tokenizer(self.source)
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -110,13 +110,22 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     )
 
 
-def load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    """Return the architecture and a Hugging Face-named fp32 state dict."""
+# Block types the native kernels read directly (pagedllm/kernels).
+PACKED_TYPES = ("Q4_1", "Q8_0")
+
+
+def load_gguf(
+    path: Path,
+) -> tuple[ModelArch, dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor]]]:
+    """Return the architecture, a Hugging Face-named fp32 state dict, and the raw blocks of
+    the 2-D tensors stored in a ``PACKED_TYPES`` format ({name: (type, [rows, row_bytes] uint8)}),
+    with the same row order as the fp32 tensors."""
     from gguf.quants import dequantize
 
     reader = _open(path)
     arch = read_gguf_arch(reader, path)
     state: dict[str, torch.Tensor] = {}
+    packed: dict[str, tuple[str, torch.Tensor]] = {}
     for t in reader.tensors:
         name = t.name
         if name.startswith("blk."):
@@ -137,12 +146,18 @@ def load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
         if not array.flags.writeable:  # unquantized tensors are views of the read-only file map
             array = array.copy()
         tensor = torch.from_numpy(array)
+        blocks = None
+        if t.tensor_type.name in PACKED_TYPES and tensor.dim() == 2:
+            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(tensor.shape[0], -1)
         # Only llama.cpp's "llama" converter permutes; qwen2 files keep the HF row order.
         if arch.architecture in ("llama", "mistral"):
-            if ".q_proj." in hf:
-                tensor = unpermute_qk(tensor, arch.num_heads)
-            elif ".k_proj." in hf:
-                tensor = unpermute_qk(tensor, arch.num_kv_heads)
+            heads = {".q_proj.": arch.num_heads, ".k_proj.": arch.num_kv_heads}
+            for key, n in heads.items():
+                if key in hf:
+                    tensor = unpermute_qk(tensor, n)
+                    blocks = None if blocks is None else unpermute_qk(blocks, n)
         state[hf] = tensor
-    return arch, state
+        if blocks is not None:
+            packed[hf] = (t.tensor_type.name, blocks)
+    return arch, state, packed
 

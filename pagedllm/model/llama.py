@@ -8,26 +8,29 @@ KV cache. q/k/v and gate/up are fused into one matmul each.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.kernels import ops
 from pagedllm.model.arch import ModelArch
+from pagedllm.model.linear import Linear
 from pagedllm.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in fp32, cast back before the weight (as transformers does)."""
+    """RMS norm computed in fp32, cast back before the weight (as transformers does).
+
+    With ``residual`` it first adds x into the residual stream (in place) and normalises
+    that: the add and the norm of every layer boundary are one fused op.
+    """
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -38,8 +41,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -56,7 +59,7 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        rope(positions, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.view(n, self.q_size))
 
@@ -65,12 +68,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the weights are built on "meta"
             self.rope = RotaryEmbedding(arch, max_positions, rope_freqs)
         self.requires_grad_(False)
@@ -105,11 +107,16 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_cache, backend, meta)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+        # The residual stream; each norm adds the previous sublayer's output into it first.
+        residual = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(residual)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer.self_attn(x, positions, self.rope, kv_cache, backend, meta)
+            x = layer.post_attention_layernorm(x, residual)
+            x = layer.mlp(x)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x = next_norm(x, residual)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -164,3 +171,34 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model
+
+    def attach_packed(self, packed: dict[str, tuple[str, torch.Tensor]]) -> int:
+        """Give the linear layers their GGUF blocks (Hugging Face names -> (type, [rows, bytes])).
+
+        Fused layers take the row-wise concatenation of their parts when all parts share one
+        block type; anything else keeps only the dense path. Returns how many layers got blocks.
+        """
+        def parts(names: list[str]) -> tuple[str, torch.Tensor] | None:
+            found = [packed.get(n) for n in names]
+            if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+                return None
+            return found[0][0], torch.cat([f[1] for f in found])
+
+        targets: list[tuple[Linear, list[str]]] = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj.bias is None:
+                targets.append((attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]))
+            targets.append((attn.o_proj, [f"{p}self_attn.o_proj.weight"]))
+            targets.append((mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]))
+            targets.append((mlp.down_proj, [f"{p}mlp.down_proj.weight"]))
+        head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
+        targets.append((self.lm_head, [head]))
+        count = 0
+        for linear, names in targets:
+            found = parts(names)
+            if found is not None:
+                linear.set_packed(found[1], found[0])
+                count += 1
+        return count

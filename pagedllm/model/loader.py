@@ -63,11 +63,15 @@ def resolve_model(model: str | None) -> ModelSource:
     )
 
 
-def load_weights(source: ModelSource) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+def load_weights(
+    source: ModelSource,
+) -> tuple[ModelArch, dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor]]]:
+    """Architecture, fp32 state dict (Hugging Face names), and any GGUF blocks kept packed."""
     if source.format == "gguf":
         from pagedllm.model.gguf_loader import load_gguf
 
         return load_gguf(source.path)
     from pagedllm.model.hf_loader import load_hf_dir
 
-    return load_hf_dir(source.path)
+    arch, state = load_hf_dir(source.path)
+    return arch, state, {}

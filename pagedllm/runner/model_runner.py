@@ -55,7 +55,7 @@ class ModelRunner:
         self.arch = model.arch
         self.device = torch.device(device)
         self.block_size = block_size
-        self.backend = get_attention_backend(attention_backend)
+        self.backend = get_attention_backend(attention_backend, dtype, self.device)
         shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zero-filled so padded slots inside a gathered block are finite (masked, never NaN).
         self.kv_caches = [

@@ -7,17 +7,24 @@ import math
 import pytest
 import torch
 
-from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.backend import get_attention_backend as _get_backend
+from pagedllm.kernels.ops import native_available
+
+CPU = torch.device("cpu")
 
 
-def make_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
+def get_attention_backend(name: str, dtype: torch.dtype = torch.float32):
+    return _get_backend(name, dtype, CPU)
+
+
+def make_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 32):
     """Random ragged batch: decodes first, then prefill chunks (some with a cached prefix).
 
     Returns (q, k, v, key_cache, value_cache, meta, dense) where ``dense`` holds each
     sequence's full K/V in order, for the dense oracle.
     """
     g = torch.Generator().manual_seed(seed)
-    head_dim = 32
     # (context length, query length): decodes, then prefills that are not block multiples.
     shapes = [(1, 1), (17, 1), (block_size, 1), (3 * block_size + 5, 1), (40, 40), (2 * block_size + 3, 7), (9, 9)]
     num_blocks = sum(math.ceil(c / block_size) for c, _ in shapes) + 5
@@ -72,17 +79,60 @@ def dense_attention(q, dense, meta, num_heads):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+# head_dim 64 and 128 take the native kernel's AVX2 paths, 32 its portable one; block size 12
+# is not a multiple of its 8-key chunks.
+@pytest.mark.parametrize("block_size", [16, 32, 12])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_reference_matches_dense_and_sdpa_matches_reference_fp32(block_size, heads, seed):
+def test_reference_matches_dense_and_fast_backends_match_reference_fp32(block_size, heads, head_dim, seed):
     num_heads, num_kv_heads = heads
-    q, k, v, kc, vc, meta, dense = make_batch(seed, block_size, num_heads, num_kv_heads, torch.float32)
+    q, k, v, kc, vc, meta, dense = make_batch(seed, block_size, num_heads, num_kv_heads, torch.float32, head_dim)
     scale = 1 / math.sqrt(q.shape[-1])
     ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     torch.testing.assert_close(ref, dense_attention(q, dense, meta, num_heads), atol=1e-5, rtol=1e-5)
     fast = get_attention_backend("torch_sdpa").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    native = get_attention_backend("cpu_native").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    torch.testing.assert_close(native, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_native_kernel_builds_here():
+    """The machines this project runs on have g++: the native path must not silently vanish."""
+    assert native_available()
+
+
+def test_native_kernel_handles_long_contexts_and_ignores_padding():
+    """Contexts of many blocks, a block table padded with ids of blocks full of garbage."""
+    g = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    lens = [1, 200, 333]
+    kc = torch.randn(60, block_size, num_kv_heads, head_dim, generator=g)
+    vc = torch.randn(60, block_size, num_kv_heads, head_dim, generator=g)
+    perm = torch.randperm(59, generator=g) + 1
+    tables = torch.full((3, 30), 0)  # block 0 = padding, never attended
+    kc[0], vc[0] = 1e4, 1e4
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(3, num_heads, head_dim, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]),
+        block_tables=tables,
+        seq_lens=torch.tensor(lens),
+        query_start_loc=torch.tensor([0, 1, 2, 3]),
+        seq_lens_list=lens,
+        query_lens_list=[1, 1, 1],
+        num_decodes=3,
+        block_size=block_size,
+    )
+    k = torch.randn(3, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(3, num_kv_heads, head_dim, generator=g)
+    ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    native = get_attention_backend("cpu_native").forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    torch.testing.assert_close(native, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -90,7 +140,7 @@ def test_sdpa_matches_reference_bf16(block_size):
     q, k, v, kc, vc, meta, _ = make_batch(3, block_size, 9, 3, torch.bfloat16)
     scale = 1 / math.sqrt(q.shape[-1])
     ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
-    fast = get_attention_backend("torch_sdpa").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    fast = get_attention_backend("torch_sdpa", torch.bfloat16).forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -106,3 +156,10 @@ def test_write_kv_lands_in_the_mapped_slots():
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("flash-on-cpu")
+
+
+def test_auto_picks_native_for_fp32_and_sdpa_for_bf16():
+    assert get_attention_backend("auto", torch.float32).name == "cpu_native"
+    assert get_attention_backend("auto", torch.bfloat16).name == "torch_sdpa"
+    with pytest.raises(ValueError, match="cpu_native"):
+        get_attention_backend("cpu_native", torch.bfloat16)

@@ -26,8 +26,9 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert not np.array_equal(llama_cpp_permute(w, 3), w)
 
 
-def write_llama_gguf(hf_dir: Path, out: Path, arch: str = "llama") -> Path:
-    """Convert a tiny HF Llama to GGUF the way llama.cpp does (F32 tensors, permuted Q/K)."""
+def write_llama_gguf(hf_dir: Path, out: Path, arch: str = "llama", quant: str | None = None) -> Path:
+    """Convert a tiny HF Llama to GGUF the way llama.cpp does (permuted Q/K): F32 tensors, or
+    with ``quant`` ("Q4_1", "Q8_0") the 2-D weights quantized after the permutation."""
     import json
 
     import gguf
@@ -53,9 +54,16 @@ def write_llama_gguf(hf_dir: Path, out: Path, arch: str = "llama") -> Path:
         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }  # fmt: skip
-    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", state["model.norm.weight"])
-    w.add_tensor("output.weight", state["lm_head.weight"])
+    def add(name: str, t: np.ndarray) -> None:
+        if quant is None or t.ndim != 2:
+            w.add_tensor(name, np.ascontiguousarray(t))
+            return
+        qtype = getattr(gguf.GGMLQuantizationType, quant)
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    add("output.weight", state["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         for hf_name, gg_name in names.items():
             t = state[f"model.layers.{i}.{hf_name}.weight"]
@@ -63,7 +71,7 @@ def write_llama_gguf(hf_dir: Path, out: Path, arch: str = "llama") -> Path:
                 t = llama_cpp_permute(t, heads)
             elif gg_name == "attn_k":
                 t = llama_cpp_permute(t, kv_heads)
-            w.add_tensor(f"blk.{i}.{gg_name}.weight", np.ascontiguousarray(t))
+            add(f"blk.{i}.{gg_name}.weight", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -86,6 +94,27 @@ def test_tiny_gguf_matches_transformers(tmp_path):
     )
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == oracle_greedy(hf, p, 10)
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+def test_quantized_gguf_runs_the_same_from_blocks_and_from_dense_weights(tmp_path, quant):
+    """Single-sequence decode steps use the packed blocks, prefill the dequantized copy: the
+    tokens and log-probabilities must not depend on which path ran."""
+    hf_dir = save_tiny_model(tmp_path / "hf", seed=3)
+    gguf_file = write_llama_gguf(hf_dir, tmp_path / "tiny.gguf", quant=quant)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    runs = {}
+    for packed in (True, False):
+        llm = LLM(str(gguf_file), dtype="float32", num_kv_blocks=32, packed_weights=packed, log_stats_interval=1e9)
+        model = llm.llm_engine.runner.model
+        assert (model.layers[0].mlp.down_proj.packed is not None) == packed
+        assert (model.lm_head.packed is not None) == packed
+        runs[packed] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b, tok in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 1e-4
 
 
 def test_corrupt_gguf_is_a_clear_error(tmp_path):

@@ -1,0 +1,19 @@
+"""Paged attention with the native CPU kernel: K/V are read in place from the blocks.
+
+The pure-torch backends first gather every sequence's context into a contiguous copy (at
+64 sequences that copy was a quarter of a decode step); the kernel walks the block table
+instead. fp32 caches on CPU only: ``get_attention_backend("auto")`` picks it when it can run.
+"""
+
+from __future__ import annotations
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.kernels import ops
+
+
+class NativeCPUAttention(AttentionBackend):
+    name = "cpu_native"
+
+    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        return ops.paged_attention(q, key_cache, value_cache, meta, scale).to(q.dtype)

@@ -1,0 +1,219 @@
+"""Render ``pagedllm bench ... --save-result`` JSON files as PNGs for docs/benchmarks.md.
+
+Why: the tables in docs/benchmarks.md give single points; a plot of output tokens/s against
+the number of prompts (pagedllm next to transformers ``generate``) and of serving latency
+against request rate shows the trends and where the engine saturates at a glance.
+
+    python -m pagedllm.bench.plots --results-dir results/ --out-dir docs/benchmarks
+
+Every ``*.json`` under ``--results-dir`` is read and sorted by its keys (throughput, serve or
+latency result; anything else is skipped with a note), so file names don't matter. Fields the
+bench modules don't always write (``model``, ``transformers``, ``dtype``) are optional.
+Needs matplotlib: ``pip install 'pagedllm[plots]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+Result = dict[str, Any]
+
+
+def classify(d: Any) -> str | None:
+    """``throughput``, ``serve``, ``latency`` or None, from the keys each bench module writes."""
+    if not isinstance(d, dict):
+        return None
+    if isinstance(d.get("pagedllm"), dict) and "output_tokens_per_s" in d["pagedllm"]:
+        return "throughput"
+    if "request_rate" in d and isinstance(d.get("ttft_ms"), dict) and isinstance(d.get("tpot_ms"), dict):
+        return "serve"
+    if isinstance(d.get("ttft_ms"), dict) and isinstance(d.get("ms_per_output_token"), dict):
+        return "latency"
+    return None
+
+
+def load_results(results_dir: Path) -> dict[str, list[Result]]:
+    found: dict[str, list[Result]] = defaultdict(list)
+    for path in sorted(results_dir.rglob("*.json")):
+        try:
+            d = json.loads(path.read_text())  # the stdlib reads the ``Infinity`` of --request-rate inf
+        except (OSError, ValueError) as e:
+            print(f"note: skipping {path}: {e}")
+            continue
+        kind = classify(d)
+        if kind is None:
+            print(f"note: skipping {path}: not a bench throughput/serve/latency result")
+            continue
+        found[kind].append({**d, "_path": str(path)})
+    return found
+
+
+def _common(results: list[Result], key: str) -> Any:
+    """The value of ``key`` if every result has the same one, else None."""
+    values = {str(r.get(key)) for r in results}
+    return results[0].get(key) if len(values) == 1 else None
+
+
+def _title(prefix: str, results: list[Result]) -> str:
+    parts = [str(v) for v in (_common(results, "model"), _common(results, "dtype")) if v is not None]
+    return prefix + (f" ({', '.join(parts)})" if parts else "")
+
+
+def plot_throughput(results: list[Result], out: Path) -> Path | None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    # shape -> engine -> num_prompts -> output tok/s of each run (repeated runs are averaged)
+    series: dict[tuple, dict[str, dict[int, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
+    for r in results:
+        n = r.get("num_prompts")
+        if not isinstance(n, int) or n <= 0:
+            print(f"note: {r['_path']} has no usable 'num_prompts'; left out of the throughput plot")
+            continue
+        shape = (r.get("input_len"), r.get("output_len"), r.get("dtype"))
+        for engine in ("pagedllm", "transformers"):
+            value = (r.get(engine) or {}).get("output_tokens_per_s")
+            if isinstance(value, (int, float)):
+                series[shape][engine][n].append(float(value))
+    if not series:
+        print("note: no throughput result with 'num_prompts'; throughput plot skipped")
+        return None
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ticks: set[int] = set()
+    for shape, engines in sorted(series.items(), key=lambda kv: str(kv[0])):
+        suffix = f" ({shape[0]} -> {shape[1]} tokens, {shape[2]})" if len(series) > 1 else ""
+        for engine, points in engines.items():
+            ns = sorted(points)
+            ticks.update(ns)
+            ax.plot(ns, [mean(points[n]) for n in ns], marker="o" if engine == "pagedllm" else "s",
+                    linestyle="-" if engine == "pagedllm" else "--", label=engine + suffix)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks), labels=[str(n) for n in sorted(ticks)])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("number of prompts (batch)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    lens = {(s[0], s[1]) for s in series}
+    in_len, out_len = lens.pop() if len(lens) == 1 else (None, None)
+    lens_note = f", {in_len} -> {out_len} tokens" if in_len is not None and out_len is not None else ""
+    ax.set_title(_title("Offline throughput", results) + lens_note)
+    ax.grid(True, which="major", alpha=0.4)
+    ax.legend()
+    path = out / "throughput_vs_prompts.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_serve(results: list[Result], out: Path) -> Path | None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    usable = []
+    for r in results:
+        rate = r.get("request_rate")
+        if not isinstance(rate, (int, float)) or rate <= 0:
+            print(f"note: {r['_path']} has no usable 'request_rate'; left out of the serve plot")
+        elif not r.get("successful_requests", 1):
+            print(f"note: {r['_path']} has no successful requests (latencies are all 0); left out")
+        else:
+            usable.append(r)
+    if not usable:
+        print("note: no serve results; serve latency plot skipped")
+        return None
+
+    finite = [r["request_rate"] for r in usable if math.isfinite(r["request_rate"])]
+    inf_x = 2 * max(finite) if finite else 1.0  # --request-rate inf (all at once) goes right of the rest
+
+    def x_of(rate: float) -> float:
+        return rate if math.isfinite(rate) else inf_x
+
+    groups: dict[tuple, list[Result]] = defaultdict(list)  # runs that differ only in request rate
+    for r in usable:
+        groups[(r.get("workload"), r.get("max_concurrency"))].append(r)
+
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    colors = [f"C{i}" for i in range(10)]
+    for i, ((workload, conc), runs) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
+        runs = sorted(runs, key=lambda r: x_of(r["request_rate"]))
+        xs = [x_of(r["request_rate"]) for r in runs]
+        suffix = f" ({workload}, concurrency {conc})" if len(groups) > 1 else ""
+        for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
+            for stat, style, marker, own_color in (("median", "-", "o", "C0"), ("p99", "--", "^", "C3")):
+                ys = [float(r[key].get(stat, math.nan)) for r in runs]
+                color = colors[i % 10] if len(groups) > 1 else own_color  # one group: a colour per statistic
+                ax.plot(xs, ys, marker=marker, linestyle=style, color=color, label=stat + suffix)
+    has_inf = len(finite) < len(usable)
+    ticks = sorted({x_of(r["request_rate"]) for r in usable})
+    labels = ["inf" if has_inf and x == inf_x else f"{x:g}" for x in ticks]
+    for ax, name in zip(axes, ("TTFT", "TPOT (time per output token after the first)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, labels=labels)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("request rate (req/s, Poisson arrivals)")
+        ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
+        ax.set_title(name)
+        ax.grid(True, which="major", alpha=0.4)
+        ax.legend()
+    fig.suptitle(_title("Online serving latency", usable))
+    path = out / "serve_latency_vs_rate.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedllm.bench.plots", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--results-dir", type=Path, required=True, help="folder searched (recursively) for result JSONs"
+    )
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("docs/benchmarks"),
+        help="where the PNGs go (default: %(default)s)",
+    )
+    args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        p.error("matplotlib is needed: pip install 'pagedllm[plots]'")
+    if not args.results_dir.is_dir():
+        p.error(f"--results-dir {args.results_dir} is not a directory")
+
+    found = load_results(args.results_dir)
+    print(
+        ", ".join(f"{len(found[k])} {k}" for k in ("throughput", "serve", "latency"))
+        + f" result(s) in {args.results_dir}"
+    )
+    if found["latency"]:
+        print("note: latency results are single points (W2); no plot is drawn for them")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if found["throughput"]:
+        written.append(plot_throughput(found["throughput"], args.out_dir))
+    else:
+        print("note: no throughput results; throughput plot skipped")
+    written.append(plot_serve(found["serve"], args.out_dir))
+    written = [path for path in written if path is not None]
+    for path in written:
+        print(f"wrote {path}")
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""Compile the native CPU kernels on first use and load them with ctypes.
+
+The shared library is built with the system C++ compiler (``$CXX``, else g++/c++) for this
+CPU (``-march=native``) and cached under ``~/.cache/pagedllm/kernels`` keyed by the source,
+the flags and the CPU, so later starts load it in milliseconds. It links the OpenMP runtime
+torch already loaded (same soname), so kernel threads and torch's threads are one pool.
+
+When there is no compiler or the build fails, ``load_kernels()`` returns None and every
+caller falls back to its pure-torch path; ``PAGEDLLM_NATIVE_KERNELS=0`` forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+_p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "paged_attention_f32": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
+    "gguf_gemm_q4_1": [_p, _p, _p, _i64, _i64, _i64, _int],
+    "gguf_gemm_q8_0": [_p, _p, _p, _i64, _i64, _i64, _int],
+    "rms_norm_f32": [_p, _p, _i64, _p, _p, _f, _i64, _i64, _int],
+    "rope_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
+    "write_kv_f32": [_p, _p, _i64, _p, _p, _p, _i64, _i64],
+    "silu_and_mul_f32": [_p, _p, _i64, _i64, _int],
+}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target and rename, so concurrent processes never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{e.stderr[-2000:]}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_kernels() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when native kernels are unavailable."""
+    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
+        logger.info("native kernels disabled by PAGEDLLM_NATIVE_KERNELS=0")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler found: using the pure-torch kernels (slower)")
+        return None
+    import torch  # noqa: F401  (its OpenMP runtime must be loaded before our library)
+
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    path = _cache_dir() / f"cpu_kernels-{key}.so"
+    try:
+        if not path.exists():
+            logger.info("building native CPU kernels with %s (once per machine)", compiler)
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as e:
+        logger.warning("native kernels unavailable, using the pure-torch kernels: %s", e)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    lib.pagedllm_kernels_isa.restype = ctypes.c_char_p
+    lib.pagedllm_team_size.argtypes = [ctypes.c_int]
+    lib.pagedllm_team_size.restype = ctypes.c_int
+    logger.info("native CPU kernels loaded (%s)", lib.pagedllm_kernels_isa().decode())
+    return lib

@@ -1,0 +1,166 @@
+"""Calls into the native kernels, with the pure-torch path when they cannot run.
+
+Each op runs natively for fp32 CPU tensors when the library is built (see ``build.py``),
+else its torch twin. ``torch_only()`` switches the native path off in a block of code: the
+tests run a model both ways and compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.kernels import reference
+from pagedllm.kernels.build import load_kernels
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def torch_only() -> Iterator[None]:
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = saved
+
+
+def enabled() -> bool:
+    """False inside ``torch_only()``."""
+    return _enabled
+
+
+def native_available() -> bool:
+    return _enabled and load_kernels() is not None
+
+
+_F32 = torch.float32
+
+
+def _native(*tensors: torch.Tensor) -> bool:
+    """Called several times per layer per step: kept cheap."""
+    if not (_enabled and load_kernels() is not None):
+        return False
+    for t in tensors:
+        if t.dtype is not _F32 or not t.is_cpu:
+            return False
+    return True
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def paged_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention over the paged cache for every token of the step (native, fp32, CPU).
+
+    ``q`` [num_tokens, num_heads, head_dim]; the caches already hold this step's K/V.
+    """
+    lib = load_kernels()
+    assert lib is not None and _native(q, key_cache, value_cache)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables = meta.block_tables
+    assert tables.dtype == torch.int64 and tables.stride(1) == 1
+    seq_lens = meta.seq_lens.contiguous()
+    qsl = meta.query_start_loc.contiguous()
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    lib.paged_attention_f32(
+        _ptr(out), _ptr(q), _ptr(key_cache), _ptr(value_cache), _ptr(tables), tables.stride(0),
+        _ptr(seq_lens), _ptr(qsl), meta.num_seqs, q.shape[1], num_kv_heads, head_dim, block_size,
+        scale, torch.get_num_threads(),
+    )
+    return out
+
+
+def gguf_gemm_fn(qtype: str, in_features: int):
+    """The native GEMM for this block type (a ctypes function), or None."""
+    if not native_available() or in_features % reference.QK:
+        return None
+    return {"Q4_1": load_kernels().gguf_gemm_q4_1, "Q8_0": load_kernels().gguf_gemm_q8_0}.get(qtype)
+
+
+def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
+    """y = x @ W^T with W in GGUF blocks ([out_features, row_bytes] uint8); fp32 out."""
+    if not native_available() or x.device.type != "cpu":
+        return reference.gguf_linear(x, packed, qtype, out_features)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float().contiguous()
+    y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
+    fn = load_kernels().gguf_gemm_q4_1 if qtype == "Q4_1" else load_kernels().gguf_gemm_q8_0
+    fn(_ptr(y), _ptr(x2), _ptr(packed), x2.shape[0], out_features, x2.shape[1], torch.get_num_threads())
+    return y.reshape(*shape[:-1], out_features)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMS norm of x, or of ``residual + x`` - which is then written into ``residual``.
+
+    x: [T, D] (rows may be strided); residual: [T, D] contiguous. Norm statistics in fp32.
+    """
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("residual must be contiguous")
+    if not (_native(x, weight) and x.stride(-1) == 1 and (residual is None or _native(residual))):
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+    T, D = x.shape
+    out = torch.empty(T, D, dtype=x.dtype)
+    load_kernels().rms_norm_f32(
+        _ptr(out), _ptr(x), x.stride(0), _ptr(residual), _ptr(weight), eps, T, D, torch.get_num_threads()
+    )
+    return out
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place ("rotate half"); cos/sin: [max_pos, D] fp32."""
+    T, H, D = q.shape
+    rows_ok = q.stride()[1:] == (D, 1) and k.stride()[1:] == (D, 1)
+    if not (_native(q, k) and rows_ok and positions.dtype == torch.int64):
+        c = cos[positions].to(q.dtype)[:, None, :]
+        s = sin[positions].to(q.dtype)[:, None, :]
+        q.copy_(reference.rotate_half(q, c, s))
+        k.copy_(reference.rotate_half(k, c, s))
+        return
+    load_kernels().rope_f32(
+        _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions.contiguous()), _ptr(cos), _ptr(sin),
+        T, H, k.shape[1], D, torch.get_num_threads(),
+    )
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's K/V ([T, Hkv, D]) in its cache slot."""
+    T, Hkv, D = k.shape
+    rows_ok = (T == 1 or k.stride(0) == v.stride(0)) and k.stride()[1:] == v.stride()[1:] == (D, 1)
+    if not (_native(k, v, key_cache, value_cache) and rows_ok and key_cache.is_contiguous()):
+        key_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+        value_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+        return
+    load_kernels().write_kv_f32(
+        _ptr(k), _ptr(v), k.stride(0), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping.contiguous()), T, Hkv * D
+    )
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last axis."""
+    half = gate_up.shape[-1] // 2
+    if not (_native(gate_up) and gate_up.is_contiguous()):
+        gate, up = gate_up.split(half, dim=-1)
+        return F.silu(gate) * up
+    T = gate_up.shape[0]
+    out = torch.empty(T, half, dtype=gate_up.dtype)
+    load_kernels().silu_and_mul_f32(_ptr(out), _ptr(gate_up), T, half, torch.get_num_threads())
+    return out

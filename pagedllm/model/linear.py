@@ -1,0 +1,54 @@
+"""A linear layer that can also keep its weights in their GGUF blocks.
+
+One token per sequence per step (small batches) makes a matmul a pass over the weights:
+memory bound. Those run from the packed blocks with the native kernel, which reads 0.6
+(Q4_1) or 1.1 (Q8_0) bytes per weight instead of 4. Bigger batches are compute bound and
+run the dense matmul on the dequantized copy. Both compute in fp32 on the same weight
+values, so the choice changes speed, not answers (up to summation order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels import ops
+
+# Up to this many rows (tokens) the packed kernel beats the dense matmul on this machine
+# class (measured: docs/benchmarks.md); above it the dense path wins.
+PACKED_MAX_ROWS = 8
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # [out_features, row_bytes] uint8 GGUF blocks
+        self.qtype: str | None = None
+        self._gemm = None  # the native kernel for self.packed, when the library is built
+
+    def set_packed(self, packed: torch.Tensor, qtype: str) -> None:
+        if packed.shape[0] != self.out_features:
+            raise ValueError(f"packed weight has {packed.shape[0]} rows, expected {self.out_features}")
+        self.packed, self.qtype = packed.contiguous(), qtype
+        self._gemm = ops.gguf_gemm_fn(qtype, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            if self._gemm is not None and ops.enabled() and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():
+                # The hot path of single-stream decoding: no checks or copies beyond these.
+                y = torch.empty(x.shape[0], self.out_features)
+                self._gemm(y.data_ptr(), x.data_ptr(), self.packed.data_ptr(), x.shape[0],
+                           self.out_features, self.in_features, torch.get_num_threads())
+            else:
+                y = ops.gguf_linear(x, self.packed, self.qtype, self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        packed = f", packed={self.qtype}" if self.packed is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{packed}"

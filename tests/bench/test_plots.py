@@ -1,0 +1,114 @@
+"""bench plots: result JSONs written by the real ``run`` functions (engines and HTTP faked) render to PNGs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedllm.bench import plots, serve, throughput
+
+pytest.importorskip("matplotlib")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _args(add_args, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(argv)
+
+
+def _write_throughput(monkeypatch, path: Path, num_prompts: int, compare: bool) -> None:
+    """``bench throughput --num-prompts N [--compare transformers] --save-result path`` with fake engines."""
+    monkeypatch.setattr(
+        throughput,
+        "run_pagedllm",
+        lambda w, kw: {
+            "engine": "pagedllm",
+            "num_preemptions": 0,
+            **throughput._rates(w, elapsed=0.01 * w.num_prompts + 1),
+        },
+    )
+    monkeypatch.setattr(
+        throughput,
+        "run_transformers",
+        lambda w, model, dtype: {
+            "engine": "transformers",
+            "transformers_version": "x",
+            **throughput._rates(w, elapsed=0.02 * w.num_prompts + 1),
+        },
+    )
+    argv = [
+        "--num-prompts",
+        str(num_prompts),
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--save-result",
+        str(path),
+    ]
+    throughput.run(
+        _args(throughput.add_args, argv + (["--compare", "transformers"] if compare else [])),
+        {"dtype": "float32"},
+    )
+
+
+def _write_serve(monkeypatch, path: Path, rate: str) -> None:
+    """``bench serve --request-rate R --save-result path`` with every request answered by a fake."""
+
+    async def fake_one(client, url, body, headers):
+        n = body["max_tokens"]
+        return serve._Result(
+            ok=True, ttft=0.2, e2e=0.2 + 0.05 * (n - 1), output_tokens=n, itl=[0.05] * (n - 1)
+        )
+
+    monkeypatch.setattr(serve, "_one", fake_one)
+    argv = [
+        "--num-prompts",
+        "2",
+        "--output-len",
+        "4",
+        "--model",
+        "m",
+        "--request-rate",
+        rate,
+        "--save-result",
+        str(path),
+    ]
+    serve.run(_args(serve.add_args, argv))
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 0
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_throughput_and_serve_results_render(monkeypatch, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for n in (2, 4, 8):
+        _write_throughput(monkeypatch, results / f"tp{n}.json", n, compare=True)
+    for rate in ("8", "inf"):
+        _write_serve(monkeypatch, results / f"serve_{rate}.json", rate)
+    kinds = [plots.classify(json.loads(p.read_text())) for p in sorted(results.glob("*.json"))]
+    assert sorted(kinds) == ["serve"] * 2 + ["throughput"] * 3
+
+    out = tmp_path / "out"
+    assert plots.main(["--results-dir", str(results), "--out-dir", str(out)]) == 0
+    _assert_png(out / "throughput_vs_prompts.png")
+    _assert_png(out / "serve_latency_vs_rate.png")
+
+
+def test_only_throughput_results_skip_the_serve_plot(monkeypatch, tmp_path, capsys):
+    for n, compare in ((1, False), (4, True), (16, False)):
+        _write_throughput(monkeypatch, tmp_path / f"tp{n}.json", n, compare)
+    (tmp_path / "notes.json").write_text('{"unrelated": 1}')
+    out = tmp_path / "out"
+    assert plots.main(["--results-dir", str(tmp_path), "--out-dir", str(out)]) == 0
+    _assert_png(out / "throughput_vs_prompts.png")
+    assert not (out / "serve_latency_vs_rate.png").exists()
+    assert "no serve results" in capsys.readouterr().out

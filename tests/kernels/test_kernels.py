@@ -1,0 +1,113 @@
+"""Each native kernel against its pure-torch twin (pagedllm/kernels/reference.py) and the gguf
+package, on shapes that hit the tails (rows not a multiple of the tile, 1..9 tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.kernels import ops, reference
+from pagedllm.kernels.build import load_kernels
+from pagedllm.model.linear import PACKED_MAX_ROWS, Linear
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """GGUF blocks of a random [n, k] matrix, quantized by the gguf package, and its dequantization."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    q = quantize(w, t)
+    return torch.from_numpy(q.copy()), dequantize(q, t)
+
+
+def test_library_builds_and_uses_the_requested_threads():
+    lib = load_kernels()
+    assert lib is not None, "the native kernels did not build (is g++ installed?)"
+    assert lib.pagedllm_team_size(2) == 2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_dequantize_twin_matches_the_gguf_package(qtype):
+    packed, dense = random_blocks(qtype, 37, 96, seed=1)
+    torch.testing.assert_close(reference.dequantize(packed, qtype, 37, 96), torch.from_numpy(dense), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(37, 96), (64, 32), (130, 576)])
+def test_gguf_gemm_matches_dense_matmul(qtype, m, n, k):
+    packed, dense = random_blocks(qtype, n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = ops.gguf_linear(x, packed, qtype, n)
+    want = x.double() @ torch.from_numpy(dense).double().t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    with ops.torch_only():
+        torch.testing.assert_close(ops.gguf_linear(x, packed, qtype, n), got, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_gives_the_same_rows_from_blocks_and_from_dense_weights():
+    packed, dense = random_blocks("Q4_1", 96, 64, seed=3)
+    lin = Linear(64, 96, bias=True)
+    lin.weight.data = torch.from_numpy(dense)
+    lin.bias.data = torch.randn(96)
+    lin.set_packed(packed, "Q4_1")
+    x = torch.randn(PACKED_MAX_ROWS + 4, 64)
+    dense_rows = lin(x)  # more rows than PACKED_MAX_ROWS: the dense matmul
+    for m in (1, 3, PACKED_MAX_ROWS):
+        torch.testing.assert_close(lin(x[:m]), dense_rows[:m], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_rms_norm_with_and_without_residual(t):
+    g = torch.Generator().manual_seed(t)
+    x, w, res = torch.randn(t, 96, generator=g), torch.randn(96, generator=g), torch.randn(t, 96, generator=g)
+    res_native, res_torch = res.clone(), res.clone()
+    out = ops.rms_norm(x, w, 1e-5, res_native)
+    with ops.torch_only():
+        want = ops.rms_norm(x, w, 1e-5, res_torch)
+        want_plain = ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(res_native, res + x)
+    torch.testing.assert_close(res_torch, res + x)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want_plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 4, 17])
+def test_rope_on_views_of_the_fused_qkv_rows(t):
+    g = torch.Generator().manual_seed(t)
+    heads, kv_heads, d = 6, 2, 32
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = torch.randn(50, d, generator=g), torch.randn(50, d, generator=g)
+    positions = torch.randint(0, 50, (t,), generator=g)
+
+    def run():
+        data = qkv.clone()
+        q, k, v = data.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        ops.rope_(q.view(t, heads, d), k.view(t, kv_heads, d), positions, cos, sin)
+        return data
+
+    native = run()
+    with ops.torch_only():
+        want = run()
+    torch.testing.assert_close(native, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(native[:, (heads + kv_heads) * d :], qkv[:, (heads + kv_heads) * d :])  # v untouched
+
+
+def test_write_kv_and_silu_and_mul_match_torch():
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(5, 2 * 2 * 8, generator=g)
+    k, v = kv.split(16, dim=-1)
+    k, v = k.view(5, 2, 8), v.view(5, 2, 8)
+    slots = torch.tensor([7, 0, 12, 3, 9])
+    caches = [torch.zeros(4, 4, 2, 8) for _ in range(4)]
+    ops.write_kv(k, v, caches[0], caches[1], slots)
+    with ops.torch_only():
+        ops.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(caches[0].view(-1, 2, 8)[slots], k)
+    gate_up = torch.randn(6, 2 * 40, generator=g)
+    native = ops.silu_and_mul(gate_up)
+    torch.testing.assert_close(native, torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
