@@ -16,7 +16,8 @@ whose slots are ``block_tables[i][j // block_size] * block_size + j % block_size
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,8 @@ class AttentionMetadata:
     query_lens_list: list[int]
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
+    # Whatever a backend derives once per step and reuses in every layer (e.g. raw pointers).
+    backend_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

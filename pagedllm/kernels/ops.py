@@ -65,17 +65,23 @@ def paged_attention(
     """
     lib = load_kernels()
     assert lib is not None and _native(q, key_cache, value_cache)
+    args = meta.backend_cache.get("native")
+    if args is None:  # once per step, shared by all layers
+        tables = meta.block_tables.contiguous()
+        seq_lens = meta.seq_lens.contiguous()
+        qsl = meta.query_start_loc.contiguous()
+        assert tables.dtype == seq_lens.dtype == qsl.dtype == torch.int64
+        keep = (tables, seq_lens, qsl)  # the pointers below stay valid while these live
+        args = meta.backend_cache["native"] = (
+            (tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs),
+            keep,
+        )
     q = q.contiguous()
     out = torch.empty_like(q)
-    tables = meta.block_tables
-    assert tables.dtype == torch.int64 and tables.stride(1) == 1
-    seq_lens = meta.seq_lens.contiguous()
-    qsl = meta.query_start_loc.contiguous()
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     lib.paged_attention_f32(
-        _ptr(out), _ptr(q), _ptr(key_cache), _ptr(value_cache), _ptr(tables), tables.stride(0),
-        _ptr(seq_lens), _ptr(qsl), meta.num_seqs, q.shape[1], num_kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(),
+        out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *args[0],
+        q.shape[1], num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
     )
     return out
 
