@@ -30,8 +30,8 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", 
 _p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "paged_attention_f32": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
-    "gguf_gemm_q4_1": [_p, _p, _p, _i64, _i64, _i64, _int],
-    "gguf_gemm_q8_0": [_p, _p, _p, _i64, _i64, _i64, _int],
+    "grouped_gemm_q4_1": [_p, _p, _p, _i64, _i64, _i64, _int],
+    "grouped_gemm_q8_0": [_p, _p, _p, _i64, _i64, _i64, _int],
     "rms_norm_f32": [_p, _p, _i64, _p, _p, _f, _i64, _i64, _int],
     "rope_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
     "write_kv_f32": [_p, _p, _i64, _p, _p, _p, _i64, _i64],

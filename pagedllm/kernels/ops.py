@@ -86,22 +86,23 @@ def paged_attention(
     return out
 
 
-def gguf_gemm_fn(qtype: str, in_features: int):
-    """The native GEMM for this block type (a ctypes function), or None."""
+def grouped_gemm_fn(qtype: str, in_features: int):
+    """The native GEMM over grouped blocks of this type (a ctypes function), or None."""
     if not native_available() or in_features % reference.QK:
         return None
-    return {"Q4_1": load_kernels().gguf_gemm_q4_1, "Q8_0": load_kernels().gguf_gemm_q8_0}.get(qtype)
+    lib = load_kernels()
+    return {"Q4_1": lib.grouped_gemm_q4_1, "Q8_0": lib.grouped_gemm_q8_0}.get(qtype)
 
 
-def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
-    """y = x @ W^T with W in GGUF blocks ([out_features, row_bytes] uint8); fp32 out."""
-    if not native_available() or x.device.type != "cpu":
-        return reference.gguf_linear(x, packed, qtype, out_features)
+def grouped_linear(x: torch.Tensor, grouped: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
+    """y = x @ W^T with W in the kernels' grouped block layout (``reference.group_blocks``); fp32."""
+    gemm = grouped_gemm_fn(qtype, x.shape[-1]) if x.is_cpu else None
+    if gemm is None:
+        return reference.grouped_linear(x, grouped, qtype, out_features)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float().contiguous()
     y = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
-    fn = load_kernels().gguf_gemm_q4_1 if qtype == "Q4_1" else load_kernels().gguf_gemm_q8_0
-    fn(_ptr(y), _ptr(x2), _ptr(packed), x2.shape[0], out_features, x2.shape[1], torch.get_num_threads())
+    gemm(y.data_ptr(), x2.data_ptr(), grouped.data_ptr(), x2.shape[0], out_features, x2.shape[1], torch.get_num_threads())
     return y.reshape(*shape[:-1], out_features)
 
 

@@ -4,6 +4,10 @@ GGUF block layouts (32 weights per block, along the input dimension):
   Q4_1: fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j = d * q_j + m, where byte i
         holds q_i in its low nibble and q_{i+16} in its high nibble.
   Q8_0: fp16 scale d, 32 int8; weight j = d * q_j.
+
+The kernels read a regrouped copy (``group_blocks``): rows in groups of 4 (zero rows pad the
+last group) and, for each block index, the 4 rows' quants followed by their scales (and
+minima) as fp32 - Q4_1: 4x16 + 4x4 + 4x4 = 96 bytes, Q8_0: 4x32 + 4x4 = 144 bytes.
 """
 
 from __future__ import annotations
@@ -32,9 +36,50 @@ def dequantize(packed: torch.Tensor, qtype: str, out_features: int, in_features:
     return w.reshape(out_features, in_features)
 
 
-def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
-    """x @ dequantize(W)^T in fp32."""
-    w = dequantize(packed, qtype, out_features, x.shape[-1])
+def _split(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
+    """(quants, fp32 scales[, fp32 minima]) of GGUF blocks [..., block_bytes]."""
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    if qtype == "Q4_1":
+        return blocks[..., 4:20], d, blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    if qtype == "Q8_0":
+        return blocks[..., 2:34], d
+    raise ValueError(f"unsupported GGUF block type {qtype!r}")
+
+
+def group_blocks(packed: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
+    """GGUF blocks [N, row_bytes] -> the kernels' grouped layout [ceil(N/4), nb, group_bytes]."""
+    nb = in_features // QK
+    groups = -(-out_features // 4)
+    blocks = torch.zeros(groups * 4, nb, BLOCK_BYTES[qtype], dtype=torch.uint8)
+    blocks[:out_features] = packed.reshape(out_features, nb, BLOCK_BYTES[qtype])
+    blocks = blocks.view(groups, 4, nb, -1).transpose(1, 2)  # [G, nb, 4, block_bytes]
+    parts = _split(blocks, qtype)
+    out = [parts[0].reshape(groups, nb, -1)]  # the 4 rows' quants, row after row
+    out += [p.contiguous().view(torch.uint8).reshape(groups, nb, 16) for p in parts[1:]]
+    return torch.cat(out, dim=-1).contiguous()
+
+
+def dequantize_grouped(grouped: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
+    """[out_features, in_features] fp32 weights from the grouped layout."""
+    nb = in_features // QK
+    g = grouped.reshape(-1, nb, grouped.shape[-1])
+    qbytes = 16 if qtype == "Q4_1" else 32
+    qs = g[..., : 4 * qbytes].reshape(g.shape[0], nb, 4, qbytes)
+    d = g[..., 4 * qbytes : 4 * qbytes + 16].contiguous().view(torch.float32)  # [G, nb, 4]
+    if qtype == "Q4_1":
+        q16 = qs.to(torch.int16)
+        w = torch.cat([q16 & 0x0F, q16 >> 4], dim=-1).float() * d[..., None]
+        w = w + g[..., 80:96].contiguous().view(torch.float32)[..., None]
+    elif qtype == "Q8_0":
+        w = qs.contiguous().view(torch.int8).float() * d[..., None]
+    else:
+        raise ValueError(f"unsupported GGUF block type {qtype!r}")
+    return w.permute(0, 2, 1, 3).reshape(-1, in_features)[:out_features]
+
+
+def grouped_linear(x: torch.Tensor, grouped: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
+    """x @ W^T in fp32, W in the grouped layout."""
+    w = dequantize_grouped(grouped, qtype, out_features, x.shape[-1])
     return x.float() @ w.t()
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import ops
+from pagedllm.kernels import ops, reference
 
 # Up to this many rows (tokens) the packed kernel beats the dense matmul on this machine
 # class (measured: docs/benchmarks.md); above it the dense path wins.
@@ -27,15 +27,18 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # [out_features, row_bytes] uint8 GGUF blocks
+        # GGUF blocks regrouped for the kernel (pagedllm/kernels/reference.py: group_blocks)
+        self.packed: torch.Tensor | None = None
         self.qtype: str | None = None
         self._gemm = None  # the native kernel for self.packed, when the library is built
 
     def set_packed(self, packed: torch.Tensor, qtype: str) -> None:
+        """Keep GGUF blocks ([out_features, row_bytes] uint8) of this layer's weight."""
         if packed.shape[0] != self.out_features:
             raise ValueError(f"packed weight has {packed.shape[0]} rows, expected {self.out_features}")
-        self.packed, self.qtype = packed.contiguous(), qtype
-        self._gemm = ops.gguf_gemm_fn(qtype, self.in_features)
+        self.packed = reference.group_blocks(packed, qtype, self.out_features, self.in_features)
+        self.qtype = qtype
+        self._gemm = ops.grouped_gemm_fn(qtype, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
@@ -45,7 +48,7 @@ class Linear(nn.Module):
                 self._gemm(y.data_ptr(), x.data_ptr(), self.packed.data_ptr(), x.shape[0],
                            self.out_features, self.in_features, torch.get_num_threads())
             else:
-                y = ops.gguf_linear(x, self.packed, self.qtype, self.out_features).to(x.dtype)
+                y = ops.grouped_linear(x, self.packed, self.qtype, self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

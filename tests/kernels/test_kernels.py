@@ -36,16 +36,26 @@ def test_dequantize_twin_matches_the_gguf_package(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [1, 6, 37])
+def test_grouping_keeps_every_weight(qtype, n):
+    packed, dense = random_blocks(qtype, n, 64, seed=n)
+    grouped = reference.group_blocks(packed, qtype, n, 64)
+    assert grouped.shape == (-(-n // 4), 2, 96 if qtype == "Q4_1" else 144)
+    torch.testing.assert_close(reference.dequantize_grouped(grouped, qtype, n, 64), torch.from_numpy(dense), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("n,k", [(37, 96), (64, 32), (130, 576)])
-def test_gguf_gemm_matches_dense_matmul(qtype, m, n, k):
+def test_grouped_gemm_matches_dense_matmul(qtype, m, n, k):
     packed, dense = random_blocks(qtype, n, k, seed=m + n)
+    grouped = reference.group_blocks(packed, qtype, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = ops.gguf_linear(x, packed, qtype, n)
+    got = ops.grouped_linear(x, grouped, qtype, n)
     want = x.double() @ torch.from_numpy(dense).double().t()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     with ops.torch_only():
-        torch.testing.assert_close(ops.gguf_linear(x, packed, qtype, n), got, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ops.grouped_linear(x, grouped, qtype, n), got, rtol=1e-5, atol=1e-4)
 
 
 def test_linear_gives_the_same_rows_from_blocks_and_from_dense_weights():

@@ -2,7 +2,7 @@
 //
 // - paged_attention_f32: causal attention for a flattened batch (decodes and prefill chunks)
 //   that reads K/V in place from the paged cache through the block tables - no gather copy.
-// - gguf_gemm_{q4_1,q8_0}: y = x @ W^T with W kept in its GGUF block format, so a step reads
+// - grouped_gemm_{q4_1,q8_0}: y = x @ W^T with W kept in GGUF blocks (regrouped), so a step reads
 //   0.6-1.1 bytes per weight instead of 4. Activations and accumulation stay fp32, so the
 //   result equals x @ dequantize(W)^T up to summation order.
 //
@@ -243,61 +243,98 @@ void paged_attention_f32(float* out, const float* q, const float* key_cache, con
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------
-// GGUF weight-only GEMM. Block layouts (32 weights each, along K):
+// GGUF weight-only GEMM. GGUF stores 32-weight blocks along K:
 //   Q4_1: fp16 d, fp16 m, 16 bytes: weight i = d * nibble_i + m; byte j holds i=j (low) and i=j+16 (high)
 //   Q8_0: fp16 d, 32 int8:          weight i = d * q_i
-// Rows of W are contiguous runs of blocks. M (tokens) is small; the kernel walks W once,
-// unpacking each block to fp32 once and applying it to up to MT rows of x.
+// At load time the blocks are regrouped (pagedllm/kernels/reference.py: group_blocks): rows in
+// groups of 4, and for each block index the 4 rows' quants followed by their scales (and
+// minima) as fp32. One sequential stream then feeds 4 rows, and no fp16 conversion is left in
+// the inner loop. M (tokens) is small; W is read once per call.
 
 namespace {
 
 constexpr int QK = 32;
-constexpr int MT = 4;  // x rows per pass over W
+constexpr int MT = 4;  // x rows per pass over a weight row when M > 1
 
-struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
-struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
-static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block is 20 bytes");
-static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block is 34 bytes");
+struct GroupQ4_1 { uint8_t qs[4][16]; float d[4]; float m[4]; };
+struct GroupQ8_0 { int8_t qs[4][32]; float d[4]; };
+static_assert(sizeof(GroupQ4_1) == 96, "Q4_1 group-block is 96 bytes");
+static_assert(sizeof(GroupQ8_0) == 144, "Q8_0 group-block is 144 bytes");
 
-// Unpack one block into 32 floats (the integer part only; scale/min are applied by the caller).
-inline void unpack(const BlockQ4_1& b, float* w) {
-    for (int j = 0; j < 16; j++) { w[j] = float(b.qs[j] & 0x0f); w[j + 16] = float(b.qs[j] >> 4); }
+// Row r of a group-block as 32 floats (the integer part; scale and minimum apply separately).
+inline void unpack(const GroupQ4_1& g, int r, float* w) {
+    for (int j = 0; j < 16; j++) { w[j] = float(g.qs[r][j] & 0x0f); w[j + 16] = float(g.qs[r][j] >> 4); }
 }
-inline void unpack(const BlockQ8_0& b, float* w) {
-    for (int j = 0; j < 32; j++) w[j] = float(b.qs[j]);
+inline void unpack(const GroupQ8_0& g, int r, float* w) {
+    for (int j = 0; j < 32; j++) w[j] = float(g.qs[r][j]);
 }
-inline float block_min(const BlockQ4_1& b) { return fp16_to_fp32(b.m); }
-inline float block_min(const BlockQ8_0&) { return 0.f; }
+inline float group_min(const GroupQ4_1& g, int r) { return g.m[r]; }
+inline float group_min(const GroupQ8_0&, int) { return 0.f; }
 
 #ifdef PAGEDLLM_AVX2
 // Q4_1 without shuffles: broadcast 4 bytes (8 nibbles) to all lanes and shift each lane by
-// 0, 4, ..., 28. Lane order is then w[4g], w[4g+16], w[4g+1], w[4g+17], ... for byte group g,
-// so x is permuted to match once per call (permute_x) instead of once per weight row.
-inline void unpack8(const BlockQ4_1& b, __m256 q[4]) {
+// 0, 4, ..., 28. Lane order is then w[4c], w[4c+16], w[4c+1], w[4c+17], ... for byte group c,
+// so x is permuted to match once per call instead of the weights once per row.
+inline void unpack8(const GroupQ4_1& g, int r, __m256 q[4]) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i mask = _mm256_set1_epi32(0x0f);
-    for (int g = 0; g < 4; g++) {
+    for (int c = 0; c < 4; c++) {
         int32_t word;
-        std::memcpy(&word, b.qs + 4 * g, 4);
+        std::memcpy(&word, g.qs[r] + 4 * c, 4);
         const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
-        q[g] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+        q[c] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
     }
 }
-constexpr bool permutes_x(const BlockQ4_1*) { return true; }
-constexpr bool permutes_x(const BlockQ8_0*) { return false; }
-inline void unpack8(const BlockQ8_0& b, __m256 q[4]) {
-    for (int i = 0; i < 4; i++) {
-        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * i));
-        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+inline void unpack8(const GroupQ8_0& g, int r, __m256 q[4]) {
+    for (int c = 0; c < 4; c++) {
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g.qs[r] + 8 * c));
+        q[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    }
+}
+constexpr bool permutes_x(const GroupQ4_1*) { return true; }
+constexpr bool permutes_x(const GroupQ8_0*) { return false; }
+inline __m128 group_min4(const GroupQ4_1& g) { return _mm_loadu_ps(g.m); }
+inline __m128 group_min4(const GroupQ8_0&) { return _mm_setzero_ps(); }
+
+// MX rows of x (1 or 2) against the 4 rows of a group: the few-token case. Independent
+// accumulators per (x row, weight row); each block is unpacked once for all MX x rows.
+template <typename Group, int MX>
+inline void gemv_group(float* y, int64_t ldy, int rows, const float* x, int64_t ldx, const float* xsum,
+                       const Group* grp, int64_t nb) {
+    __m256 acc[MX][4];
+    __m128 minpart[MX];
+    for (int m = 0; m < MX; m++) {
+        minpart[m] = _mm_setzero_ps();
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const Group& g = grp[b];
+        for (int m = 0; m < MX; m++) minpart[m] = _mm_fmadd_ps(group_min4(g), _mm_set1_ps(xsum[m * nb + b]), minpart[m]);
+        for (int r = 0; r < 4; r++) {
+            __m256 qv[4];
+            unpack8(g, r, qv);
+            const __m256 d = _mm256_broadcast_ss(&g.d[r]);
+            for (int m = 0; m < MX; m++) {
+                const float* xb = x + m * ldx + b * QK;
+                const __m256 s01 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), qv[1], _mm256_mul_ps(_mm256_loadu_ps(xb), qv[0]));
+                const __m256 s23 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), qv[3], _mm256_mul_ps(_mm256_loadu_ps(xb + 16), qv[2]));
+                acc[m][r] = _mm256_fmadd_ps(d, _mm256_add_ps(s01, s23), acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MX; m++) {
+        alignas(16) float mins[4];
+        _mm_store_ps(mins, minpart[m]);
+        for (int r = 0; r < rows; r++) y[m * ldy + r] = hsum(acc[m][r]) + mins[r];
     }
 }
 #endif
 
-// y[m, n] for rows m0..m0+mt-1 and one weight row n. mt is a template argument so the
-// accumulators stay in registers.
-template <typename Block, int mt>
-inline void gemm_row(float* y, const float* x, const float* xsum, const Block* wrow, int64_t m0,
-                     int64_t n, int64_t N, int64_t K) {
+// y[m0 .. m0+mt-1, n] for weight row r of a group (n = its row index). mt is a template
+// argument so the accumulators stay in registers.
+template <typename Group, int mt>
+inline void gemm_group_row(float* y, const float* x, const float* xsum, const Group* grp, int r, int64_t m0,
+                           int64_t n, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
     float minpart[MT] = {0.f, 0.f, 0.f, 0.f};
 #ifdef PAGEDLLM_AVX2
@@ -305,16 +342,14 @@ inline void gemm_row(float* y, const float* x, const float* xsum, const Block* w
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256 qv[4];
-        unpack8(wrow[b], qv);
-        const __m256 d = _mm256_set1_ps(fp16_to_fp32(wrow[b].d));
-        const float mn = block_min(wrow[b]);
+        unpack8(grp[b], r, qv);
+        const __m256 d = _mm256_broadcast_ss(&grp[b].d[r]);
+        const float mn = group_min(grp[b], r);
         for (int i = 0; i < mt; i++) {
             const float* xb = x + (m0 + i) * K + b * QK;
-            __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xb), qv[0]);
-            s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), qv[1], s);
-            s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), qv[2], s);
-            s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), qv[3], s);
-            acc[i] = _mm256_fmadd_ps(d, s, acc[i]);
+            const __m256 s01 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), qv[1], _mm256_mul_ps(_mm256_loadu_ps(xb), qv[0]));
+            const __m256 s23 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), qv[3], _mm256_mul_ps(_mm256_loadu_ps(xb + 16), qv[2]));
+            acc[i] = _mm256_fmadd_ps(d, _mm256_add_ps(s01, s23), acc[i]);
             minpart[i] += mn * xsum[(m0 + i) * nb + b];
         }
     }
@@ -323,9 +358,9 @@ inline void gemm_row(float* y, const float* x, const float* xsum, const Block* w
     float acc[MT] = {0.f, 0.f, 0.f, 0.f};
     float w[QK];
     for (int64_t b = 0; b < nb; b++) {
-        unpack(wrow[b], w);
-        const float d = fp16_to_fp32(wrow[b].d);
-        const float mn = block_min(wrow[b]);
+        unpack(grp[b], r, w);
+        const float d = grp[b].d[r];
+        const float mn = group_min(grp[b], r);
         for (int i = 0; i < mt; i++) {
             const float* xb = x + (m0 + i) * K + b * QK;
             acc[i] += d * dot(xb, w, QK);
@@ -336,35 +371,11 @@ inline void gemm_row(float* y, const float* x, const float* xsum, const Block* w
 #endif
 }
 
-#ifdef PAGEDLLM_AVX2
-// One x row against 4 weight rows: the single-token case. Four independent accumulation
-// chains keep the FMA units busy, and each x block is loaded once for all four rows.
-template <typename Block>
-inline void gemv_rows4(float* y, const float* x, const float* xsum, const Block* w0, int64_t nb) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    float minpart[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int64_t b = 0; b < nb; b++) {
-        const float* xb = x + b * QK;
-        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-        const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-        for (int r = 0; r < 4; r++) {
-            const Block& blk = w0[r * nb + b];
-            __m256 qv[4];
-            unpack8(blk, qv);
-            const __m256 s01 = _mm256_fmadd_ps(x1, qv[1], _mm256_mul_ps(x0, qv[0]));
-            const __m256 s23 = _mm256_fmadd_ps(x3, qv[3], _mm256_mul_ps(x2, qv[2]));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(blk.d)), _mm256_add_ps(s01, s23), acc[r]);
-            minpart[r] += block_min(blk) * xsum[b];
-        }
-    }
-    for (int r = 0; r < 4; r++) y[r] = hsum(acc[r]) + minpart[r];
-}
-#endif
-
-template <typename Block>
-void gguf_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
+template <typename Group>
+void grouped_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t nb = K / QK;
-    const Block* blocks = reinterpret_cast<const Block*>(w);
+    const int64_t num_groups = (N + 3) / 4;
+    const Group* groups = reinterpret_cast<const Group*>(w);
     std::vector<float> xsum(M * nb);  // per-block sums of x, for the Q4_1 minimum term
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
@@ -374,40 +385,36 @@ void gguf_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N,
         }
 #ifdef PAGEDLLM_AVX2
     std::vector<float> xperm;
-    if (permutes_x(blocks)) {  // the lane order unpack8 produces (see there)
+    if (permutes_x(groups)) {  // the lane order unpack8 produces (see there)
         xperm.resize(M * K);
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < nb; b++)
-                for (int g = 0; g < 4; g++)
+                for (int c = 0; c < 4; c++)
                     for (int i = 0; i < 4; i++)
                         for (int h = 0; h < 2; h++)
-                            xperm[m * K + b * QK + 8 * g + 2 * i + h] = x[m * K + b * QK + 4 * g + i + 16 * h];
+                            xperm[m * K + b * QK + 8 * c + 2 * i + h] = x[m * K + b * QK + 4 * c + i + 16 * h];
         x = xperm.data();
     }
 #endif
-    // Rows of W in chunks: each chunk is read from memory once and applied to all of x.
-    constexpr int64_t NC = 16;
-    const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t n_end = std::min(N, (c + 1) * NC);
+    for (int64_t gi = 0; gi < num_groups; gi++) {
+        const Group* grp = groups + gi * nb;
+        const int rows = int(std::min<int64_t>(4, N - 4 * gi));
 #ifdef PAGEDLLM_AVX2
-        if (M == 1) {
-            int64_t n = c * NC;
-            for (; n + 4 <= n_end; n += 4) gemv_rows4(y + n, x, xsum.data(), blocks + n * nb, nb);
-            for (; n < n_end; n++) gemm_row<Block, 1>(y, x, xsum.data(), blocks + n * nb, 0, n, N, K);
+        if (M <= 2) {  // unpack-bound: all 4 weight rows at once; else FMA-bound: tiles of x rows
+            if (M == 2) gemv_group<Group, 2>(y + 4 * gi, N, rows, x, K, xsum.data(), grp, nb);
+            else gemv_group<Group, 1>(y + 4 * gi, N, rows, x, K, xsum.data(), grp, nb);
             continue;
         }
 #endif
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int64_t mt = std::min<int64_t>(MT, M - m0);
-            for (int64_t n = c * NC; n < n_end; n++) {
-                const Block* wrow = blocks + n * nb;
-                switch (mt) {
-                    case 1: gemm_row<Block, 1>(y, x, xsum.data(), wrow, m0, n, N, K); break;
-                    case 2: gemm_row<Block, 2>(y, x, xsum.data(), wrow, m0, n, N, K); break;
-                    case 3: gemm_row<Block, 3>(y, x, xsum.data(), wrow, m0, n, N, K); break;
-                    default: gemm_row<Block, 4>(y, x, xsum.data(), wrow, m0, n, N, K); break;
+        for (int r = 0; r < rows; r++) {
+            const int64_t n = 4 * gi + r;
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                switch (std::min<int64_t>(MT, M - m0)) {
+                    case 1: gemm_group_row<Group, 1>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    case 2: gemm_group_row<Group, 2>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    case 3: gemm_group_row<Group, 3>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    default: gemm_group_row<Group, 4>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
                 }
             }
         }
@@ -418,14 +425,18 @@ void gguf_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N,
 
 extern "C" {
 
-// y: [M, N] fp32, x: [M, K] fp32 contiguous, w: [N, K/32] blocks. K must be a multiple of 32.
-void gguf_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
-    gguf_gemm<BlockQ4_1>(y, x, w, M, N, K, nthreads);
+// y: [M, N] fp32, x: [M, K] fp32 contiguous, w: grouped blocks (see above). K % 32 == 0.
+void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
+    grouped_gemm<GroupQ4_1>(y, x, w, M, N, K, nthreads);
 }
 
-void gguf_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
-    gguf_gemm<BlockQ8_0>(y, x, w, M, N, K, nthreads);
+void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
+    grouped_gemm<GroupQ8_0>(y, x, w, M, N, K, nthreads);
 }
+
+}  // extern "C"
+
+extern "C" {
 
 // Which instruction set this build used, for logs and tests.
 const char* pagedllm_kernels_isa() {
