@@ -79,11 +79,13 @@ def run_transformers(w: Workload, model: str | None, dtype) -> dict:
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     from pagedllm.config import resolve_dtype
+    from pagedllm.model.loader import DEFAULT_MODEL_NAME
 
     w = workload_from_args(args)
     dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"))
     ours = run_pagedllm(w, engine_kwargs)
-    result = {"workload": w.name, "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
+    result = {"workload": w.name, "model": engine_kwargs.get("model") or DEFAULT_MODEL_NAME,
+              "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
               "dtype": str(dtype).removeprefix("torch."), "pagedllm": ours}  # fmt: skip
     line = (
         f"pagedllm ({w.name}, {result['dtype']}): {ours['requests_per_s']:.2f} requests/s, "

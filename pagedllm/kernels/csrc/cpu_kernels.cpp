@@ -254,7 +254,7 @@ void paged_attention_f32(float* out, const float* q, const float* key_cache, con
 namespace {
 
 constexpr int QK = 32;
-constexpr int MT = 4;  // x rows per pass over a weight row when M > 1
+constexpr int MT = 8;  // x rows per pass over a weight row when M > 2 (8 accumulators)
 
 struct GroupQ4_1 { uint8_t qs[4][16]; float d[4]; float m[4]; };
 struct GroupQ8_0 { int8_t qs[4][32]; float d[4]; };
@@ -336,7 +336,7 @@ template <typename Group, int mt>
 inline void gemm_group_row(float* y, const float* x, const float* xsum, const Group* grp, int r, int64_t m0,
                            int64_t n, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
-    float minpart[MT] = {0.f, 0.f, 0.f, 0.f};
+    float minpart[MT] = {};
 #ifdef PAGEDLLM_AVX2
     __m256 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
@@ -355,7 +355,7 @@ inline void gemm_group_row(float* y, const float* x, const float* xsum, const Gr
     }
     for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = hsum(acc[i]) + minpart[i];
 #else
-    float acc[MT] = {0.f, 0.f, 0.f, 0.f};
+    float acc[MT] = {};
     float w[QK];
     for (int64_t b = 0; b < nb; b++) {
         unpack(grp[b], r, w);
@@ -414,7 +414,11 @@ void grouped_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t
                     case 1: gemm_group_row<Group, 1>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
                     case 2: gemm_group_row<Group, 2>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
                     case 3: gemm_group_row<Group, 3>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    default: gemm_group_row<Group, 4>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    case 4: gemm_group_row<Group, 4>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    case 5: gemm_group_row<Group, 5>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    case 6: gemm_group_row<Group, 6>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    case 7: gemm_group_row<Group, 7>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
+                    default: gemm_group_row<Group, 8>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
                 }
             }
         }
