@@ -1,7 +1,7 @@
 """Compile the native CPU kernels on first use and load them with ctypes.
 
-The shared library is built with the system C++ compiler (``$CXX``, else g++/c++) for this
-CPU (``-march=native``) and cached under ``~/.cache/pagedllm/kernels`` keyed by the source,
+The shared library is built with the system C++ compiler (``$CXX``, else g++/c++/clang++) for
+this CPU (``-march=native``) and cached under ``~/.cache/pagedllm/kernels`` keyed by the source,
 the flags and the CPU, so later starts load it in milliseconds. It links the OpenMP runtime
 torch already loaded (same soname), so kernel threads and torch's threads are one pool.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -62,13 +62,13 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(compiler: str, out: Path) -> None:
+def _build(compiler: str, flags: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and rename, so concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+        cmd = [compiler, *flags, str(SOURCE), "-o", tmp]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
@@ -78,30 +78,26 @@ def _build(compiler: str, out: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
-def load_kernels() -> ctypes.CDLL | None:
-    """The kernel library, built if needed; None when native kernels are unavailable."""
-    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
-        logger.info("native kernels disabled by PAGEDLLM_NATIVE_KERNELS=0")
-        return None
+def build_library(march: str = "native") -> ctypes.CDLL:
+    """Build (or find in the cache) and load the library for ``-march=march``.
+
+    ``native`` is what the engine uses; tests also build ``x86-64`` to check the portable
+    (non-AVX2) code paths. Raises RuntimeError/OSError when it cannot.
+    """
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C++ compiler found: using the pure-torch kernels (slower)")
-        return None
+        raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
     import torch  # noqa: F401  (its OpenMP runtime must be loaded before our library)
 
+    flags = [f"-march={march}", *FLAGS]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_signature().encode()
+        SOURCE.read_bytes() + " ".join([compiler, *flags]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     path = _cache_dir() / f"cpu_kernels-{key}.so"
-    try:
-        if not path.exists():
-            logger.info("building native CPU kernels with %s (once per machine)", compiler)
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as e:
-        logger.warning("native kernels unavailable, using the pure-torch kernels: %s", e)
-        return None
+    if not path.exists():
+        logger.info("building native CPU kernels with %s -march=%s (once per machine)", compiler, march)
+        _build(compiler, flags, path)
+    lib = ctypes.CDLL(str(path))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
@@ -109,5 +105,19 @@ def load_kernels() -> ctypes.CDLL | None:
     lib.pagedllm_kernels_isa.restype = ctypes.c_char_p
     lib.pagedllm_team_size.argtypes = [ctypes.c_int]
     lib.pagedllm_team_size.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def load_kernels() -> ctypes.CDLL | None:
+    """The kernel library for this CPU, built if needed; None when it cannot be had."""
+    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
+        logger.info("native kernels disabled by PAGEDLLM_NATIVE_KERNELS=0")
+        return None
+    try:
+        lib = build_library()
+    except (OSError, RuntimeError) as e:
+        logger.warning("native kernels unavailable, using the pure-torch kernels (slower): %s", e)
+        return None
     logger.info("native CPU kernels loaded (%s)", lib.pagedllm_kernels_isa().decode())
     return lib

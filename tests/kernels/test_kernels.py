@@ -121,3 +121,31 @@ def test_write_kv_and_silu_and_mul_match_torch():
     gate_up = torch.randn(6, 2 * 40, generator=g)
     native = ops.silu_and_mul(gate_up)
     torch.testing.assert_close(native, torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
+
+
+def test_portable_build_matches_the_torch_twins(monkeypatch):
+    """The non-AVX2 code paths (what a CPU without AVX2 runs), built with -march=x86-64."""
+    from pagedllm.kernels.build import build_library
+    from tests.attention.test_backends import get_attention_backend, make_batch
+
+    lib = build_library(march="x86-64")
+    assert lib.pagedllm_kernels_isa() == b"generic"
+    monkeypatch.setattr(ops, "load_kernels", lambda: lib)
+    for qtype in ("Q4_1", "Q8_0"):
+        packed, dense = random_blocks(qtype, 37, 96, seed=5)
+        grouped = reference.group_blocks(packed, qtype, 37, 96)
+        for m in (1, 2, 5):
+            x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+            want = x @ torch.from_numpy(dense).t()
+            torch.testing.assert_close(ops.grouped_linear(x, grouped, qtype, 37), want, rtol=1e-4, atol=1e-4)
+    q, k, v, kc, vc, meta, _ = make_batch(2, 16, 9, 3, torch.float32, 64)
+    ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ops.write_kv(k, v, kc2, vc2, meta.slot_mapping)
+    torch.testing.assert_close(ops.paged_attention(q, kc2, vc2, meta, 0.125), ref, rtol=1e-5, atol=1e-5)
+    x, w, res = torch.randn(9, 96), torch.randn(96), torch.randn(9, 96)
+    want = res + x
+    want = w * (want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5, res), want, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(9, 80)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])

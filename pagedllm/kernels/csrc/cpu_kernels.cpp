@@ -15,36 +15,12 @@
 #include <vector>
 #include <algorithm>
 #include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
 #endif
 
 namespace {
-
-inline float fp16_to_fp32(uint16_t h) {
-#ifdef PAGEDLLM_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0) {
-        if (mant == 0) { bits = sign; }
-        else {  // subnormal: renormalise
-            exp = 127 - 15 + 1;
-            while ((mant & 0x400) == 0) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 inline float dot(const float* a, const float* b, int n) {
     float s = 0.f;
