@@ -36,6 +36,8 @@ _SIGNATURES = {
     "rope_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
     "write_kv_f32": [_p, _p, _i64, _p, _p, _p, _i64, _i64],
     "silu_and_mul_f32": [_p, _p, _i64, _i64, _int],
+    "decoder_stack_f32": [_p, _p, _p, _p, _i64, _p, _f, _i64, _i64, _i64, _i64, _i64, _i64,
+                          _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _f, _int],
 }
 
 

@@ -152,3 +152,29 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path):
     f.write_bytes(b"hello")
     with pytest.raises(ValueError, match="not a .gguf file"):
         LLM(str(f))
+
+
+def test_one_call_decoder_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch):
+    """Small steps of a packed fp32 model run all layers in one native call; the per-layer
+    path (the same kernels called from Python) must give the same tokens and logprobs."""
+    from pagedllm.model.llama import LlamaForCausalLM, NativeDecoderStack
+
+    hf_dir = save_tiny_model(tmp_path / "hf", seed=4)
+    gguf_file = write_llama_gguf(hf_dir, tmp_path / "tiny.gguf", quant="Q4_1")
+    llm = LLM(str(gguf_file), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    model = llm.llm_engine.runner.model
+    assert isinstance(model._native_stack(llm.llm_engine.runner.kv_caches), NativeDecoderStack)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 21))}]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    calls = []
+    run = NativeDecoderStack.run
+    monkeypatch.setattr(NativeDecoderStack, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls, "the one-call stack did not run"
+    monkeypatch.setattr(LlamaForCausalLM, "_native_stack", lambda self, kv: None)
+    llm.reset_prefix_cache()
+    layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b, tok in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 1e-5

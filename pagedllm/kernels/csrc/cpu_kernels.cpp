@@ -516,3 +516,61 @@ int pagedllm_team_size(int n) {
     return size;
 }
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// The whole decoder stack for a small step, in one call. With a handful of tokens every layer
+// is ten short kernels, and from Python each costs more to dispatch than to run; this runs the
+// same kernels, in the same order, on the same buffers layout, without leaving C++.
+// Per layer l, `layer_ptrs[l * 8 + i]` holds: 0 input-norm weight, 1 post-attention-norm
+// weight, 2 qkv blocks, 3 o blocks, 4 gate_up blocks, 5 down blocks, 6 key cache, 7 value
+// cache; `layer_qtypes[l * 4 + j]` the block type (0 = Q4_1, 1 = Q8_0) of linear j (qkv, o,
+// gate_up, down). `residual` [T, hidden] holds the embeddings in and the residual stream out;
+// `out` [T, hidden] gets the final norm's output.
+
+extern "C" {
+
+void decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, const int32_t* layer_qtypes,
+                       int64_t num_layers, const float* final_norm, float eps, int64_t T, int64_t hidden,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                       const int64_t* positions, const float* cos_table, const float* sin_table,
+                       const int64_t* slot_mapping, const int64_t* block_tables, int64_t block_table_stride,
+                       const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_seqs,
+                       int64_t block_size, float scale, int nthreads) {
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    std::vector<float> x(T * hidden), qkv(T * qkv_size), q(T * q_size), attn(T * q_size), proj(T * hidden);
+    std::vector<float> gate_up(T * 2 * intermediate), act(T * intermediate);
+    auto gemm = [&](int32_t qtype, float* y, const float* in, const void* w, int64_t N, int64_t K) {
+        const uint8_t* wb = static_cast<const uint8_t*>(w);
+        if (qtype == 0) grouped_gemm_q4_1(y, in, wb, T, N, K, nthreads);
+        else grouped_gemm_q8_0(y, in, wb, T, N, K, nthreads);
+    };
+    auto ptr = [&](int64_t l, int i) { return reinterpret_cast<void*>(layer_ptrs[l * 8 + i]); };
+    rms_norm_f32(x.data(), residual, hidden, nullptr, static_cast<const float*>(ptr(0, 0)), eps, T, hidden, nthreads);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int32_t* qt = layer_qtypes + l * 4;
+        gemm(qt[0], qkv.data(), x.data(), ptr(l, 2), qkv_size, hidden);
+        float* kp = qkv.data() + q_size;
+        float* vp = kp + kv_size;
+        rope_f32(qkv.data(), qkv_size, kp, qkv_size, positions, cos_table, sin_table, T, num_heads, num_kv_heads,
+                 head_dim, nthreads);
+        write_kv_f32(kp, vp, qkv_size, static_cast<float*>(ptr(l, 6)), static_cast<float*>(ptr(l, 7)), slot_mapping,
+                     T, kv_size);
+        for (int64_t t = 0; t < T; t++)  // the attention kernel takes contiguous q rows
+            std::memcpy(q.data() + t * q_size, qkv.data() + t * qkv_size, sizeof(float) * q_size);
+        paged_attention_f32(attn.data(), q.data(), static_cast<const float*>(ptr(l, 6)),
+                            static_cast<const float*>(ptr(l, 7)), block_tables, block_table_stride, seq_lens,
+                            query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, nthreads);
+        gemm(qt[1], proj.data(), attn.data(), ptr(l, 3), hidden, q_size);
+        rms_norm_f32(x.data(), proj.data(), hidden, residual, static_cast<const float*>(ptr(l, 1)), eps, T, hidden,
+                     nthreads);
+        gemm(qt[2], gate_up.data(), x.data(), ptr(l, 4), 2 * intermediate, hidden);
+        silu_and_mul_f32(act.data(), gate_up.data(), T, intermediate, nthreads);
+        gemm(qt[3], proj.data(), act.data(), ptr(l, 5), hidden, intermediate);
+        const float* next_norm = l + 1 < num_layers ? static_cast<const float*>(ptr(l + 1, 0)) : final_norm;
+        rms_norm_f32(l + 1 < num_layers ? x.data() : out, proj.data(), hidden, residual, next_norm, eps, T, hidden,
+                     nthreads);
+    }
+}
+
+}  // extern "C"
