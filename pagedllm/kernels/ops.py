@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.kernels import reference
 from pagedllm.kernels.build import load_kernels
 
@@ -44,7 +44,7 @@ _F32 = torch.float32
 
 def _native(*tensors: torch.Tensor) -> bool:
     """Called several times per layer per step: kept cheap."""
-    if not (_enabled and load_kernels() is not None):
+    if not native_available():
         return False
     for t in tensors:
         if t.dtype is not _F32 or not t.is_cpu:
@@ -153,8 +153,7 @@ def write_kv(
     T, Hkv, D = k.shape
     rows_ok = (T == 1 or k.stride(0) == v.stride(0)) and k.stride()[1:] == v.stride()[1:] == (D, 1)
     if not (_native(k, v, key_cache, value_cache) and rows_ok and key_cache.is_contiguous()):
-        key_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
-        value_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+        AttentionBackend.write_kv(k, v, key_cache, value_cache, slot_mapping)
         return
     load_kernels().write_kv_f32(
         _ptr(k), _ptr(v), k.stride(0), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping.contiguous()), T, Hkv * D

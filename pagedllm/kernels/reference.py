@@ -18,32 +18,28 @@ QK = 32
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 
-def dequantize(packed: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
-    """[out_features, in_features] fp32 weights from [out_features, row_bytes] uint8 blocks."""
-    nb = in_features // QK
-    blocks = packed.reshape(out_features, nb, BLOCK_BYTES[qtype])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
-    if qtype == "Q4_1":
-        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-        qs = blocks[..., 4:20].to(torch.int16)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [N, nb, 32]
-        w = d * q + m
-    elif qtype == "Q8_0":
-        q = blocks[..., 2:34].contiguous().view(torch.int8).float()
-        w = d * q
-    else:
-        raise ValueError(f"unsupported GGUF block type {qtype!r}")
-    return w.reshape(out_features, in_features)
-
-
-def _split(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, ...]:
-    """(quants, fp32 scales[, fp32 minima]) of GGUF blocks [..., block_bytes]."""
+def _split(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(quant bytes, fp32 scales, fp32 minima or None) of GGUF blocks [..., block_bytes]."""
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
     if qtype == "Q4_1":
         return blocks[..., 4:20], d, blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
     if qtype == "Q8_0":
-        return blocks[..., 2:34], d
+        return blocks[..., 2:34], d, None
     raise ValueError(f"unsupported GGUF block type {qtype!r}")
+
+
+def _values(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: str) -> torch.Tensor:
+    """The 32 fp32 weights of each block [..., 32] from its quant bytes, scale and minimum."""
+    if qtype == "Q4_1":
+        q16 = qs.to(torch.int16)
+        return torch.cat([q16 & 0x0F, q16 >> 4], dim=-1).float() * d[..., None] + m[..., None]
+    return qs.contiguous().view(torch.int8).float() * d[..., None]
+
+
+def dequantize(packed: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
+    """[out_features, in_features] fp32 weights from [out_features, row_bytes] uint8 blocks."""
+    blocks = packed.reshape(out_features, in_features // QK, BLOCK_BYTES[qtype])
+    return _values(*_split(blocks, qtype), qtype).reshape(out_features, in_features)
 
 
 def group_blocks(packed: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
@@ -55,7 +51,7 @@ def group_blocks(packed: torch.Tensor, qtype: str, out_features: int, in_feature
     blocks = blocks.view(groups, 4, nb, -1).transpose(1, 2)  # [G, nb, 4, block_bytes]
     parts = _split(blocks, qtype)
     out = [parts[0].reshape(groups, nb, -1)]  # the 4 rows' quants, row after row
-    out += [p.contiguous().view(torch.uint8).reshape(groups, nb, 16) for p in parts[1:]]
+    out += [p.contiguous().view(torch.uint8).reshape(groups, nb, 16) for p in parts[1:] if p is not None]
     return torch.cat(out, dim=-1).contiguous()
 
 
@@ -63,17 +59,13 @@ def dequantize_grouped(grouped: torch.Tensor, qtype: str, out_features: int, in_
     """[out_features, in_features] fp32 weights from the grouped layout."""
     nb = in_features // QK
     g = grouped.reshape(-1, nb, grouped.shape[-1])
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"unsupported GGUF block type {qtype!r}")
     qbytes = 16 if qtype == "Q4_1" else 32
     qs = g[..., : 4 * qbytes].reshape(g.shape[0], nb, 4, qbytes)
     d = g[..., 4 * qbytes : 4 * qbytes + 16].contiguous().view(torch.float32)  # [G, nb, 4]
-    if qtype == "Q4_1":
-        q16 = qs.to(torch.int16)
-        w = torch.cat([q16 & 0x0F, q16 >> 4], dim=-1).float() * d[..., None]
-        w = w + g[..., 80:96].contiguous().view(torch.float32)[..., None]
-    elif qtype == "Q8_0":
-        w = qs.contiguous().view(torch.int8).float() * d[..., None]
-    else:
-        raise ValueError(f"unsupported GGUF block type {qtype!r}")
+    m = g[..., 80:96].contiguous().view(torch.float32) if qtype == "Q4_1" else None
+    w = _values(qs, d, m, qtype)  # [G, nb, 4, 32]
     return w.permute(0, 2, 1, 3).reshape(-1, in_features)[:out_features]
 
 

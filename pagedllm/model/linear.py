@@ -1,8 +1,9 @@
 """A linear layer that can also keep its weights in their GGUF blocks.
 
-A step of few tokens makes a matmul a pass over the weights: memory bound. Those run from the packed blocks with the native kernel, which reads 0.6
-(Q4_1) or 1.1 (Q8_0) bytes per weight instead of 4. Bigger batches are compute bound and
-run the dense matmul on the dequantized copy. Both compute in fp32 on the same weight
+A step of few tokens makes a matmul a pass over the weights: memory bound. Those run from
+the packed blocks with the native kernel, which reads 0.6 (Q4_1) or 1.1 (Q8_0) bytes per
+weight instead of 4. Bigger batches are compute bound and run the dense matmul on the
+dequantized copy. Both compute in fp32 on the same weight
 values, so the choice changes speed, not answers (up to summation order).
 """
 
