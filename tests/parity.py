@@ -56,3 +56,27 @@ def assert_greedy_parity(name: str, engine_tokens: list[int], oracle: OracleResu
         f"{name}: engine produced {len(engine_tokens)} tokens, transformers {len(oracle.tokens)}"
     )
     return True
+
+
+def assert_engines_agree(name: str, mine, ref, top: int = 5, tie_tol: float = 0.1) -> bool:
+    """Two engine runs (CompletionOutputs with ``logprobs=top``) give the same greedy tokens.
+
+    At the first differing step both tokens must sit in each other's top ``top``, each side
+    preferring its token by at most ``tie_tol`` nats (a tie that rounding flipped; reported
+    as a warning). The sequences diverge after it, so the comparison stops there. The default
+    tolerance is bf16's noise: a 2^-8 relative rounding of the hidden state moves logits by a
+    few hundredths. True when exact.
+    """
+    for step, (a, b) in enumerate(zip(mine.token_ids, ref.token_ids)):
+        if a == b:
+            continue
+        mine_top, ref_top = mine.logprobs[step], ref.logprobs[step]
+        assert a in ref_top and b in mine_top, (
+            f"{name}: token {step} differs: {a} vs {b}; top-{top} {sorted(mine_top)} vs {sorted(ref_top)}: not a tie"
+        )
+        gaps = (mine_top[a].logprob - mine_top[b].logprob, ref_top[b].logprob - ref_top[a].logprob)
+        assert max(gaps) <= tie_tol, f"{name}: token {step} differs: {a} vs {b}, logprob gaps {gaps}: not a tie"
+        warnings.warn(NearTieFlip(f"{name}: near-tie flip at token {step}: {a} vs {b}, logprob gaps {gaps[0]:.3g} / {gaps[1]:.3g}"))
+        return False
+    assert len(mine.token_ids) == len(ref.token_ids), f"{name}: {len(mine.token_ids)} vs {len(ref.token_ids)} tokens"
+    return True

@@ -79,8 +79,8 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
-    """The named backend; "auto" = the native CPU kernel where it runs (fp32 KV on CPU and
-    the kernel library built), else torch_sdpa."""
+    """The named backend; "auto" = the native CPU kernel where it runs (fp32 or bf16 KV on
+    CPU and the kernel library built), else torch_sdpa."""
     from pagedllm.attention.cpu_native import NativeCPUAttention
     from pagedllm.attention.reference import ReferenceAttention
     from pagedllm.attention.torch_sdpa import TorchSDPAAttention
@@ -91,14 +91,14 @@ def get_attention_backend(name: str, dtype: torch.dtype, device: torch.device) -
         ReferenceAttention.name: ReferenceAttention,
         TorchSDPAAttention.name: TorchSDPAAttention,
     }
-    native_ok = dtype == torch.float32 and device.type == "cpu" and native_available()
+    native_ok = dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and native_available()
     if name == "auto":
         name = NativeCPUAttention.name if native_ok else TorchSDPAAttention.name
     if name not in backends:
         raise ValueError(f"attention_backend must be auto or one of {sorted(backends)}, got {name!r}")
     if name == NativeCPUAttention.name and not native_ok:
         raise ValueError(
-            "attention_backend 'cpu_native' needs float32 on CPU and the native kernels "
+            "attention_backend 'cpu_native' needs float32 or bfloat16 on CPU and the native kernels "
             "(a C++ compiler; see the log); use 'auto' or 'torch_sdpa'"
         )
     return backends[name]()

@@ -2,7 +2,8 @@
 
 The pure-torch backends first gather every sequence's context into a contiguous copy (at
 64 sequences that copy was a quarter of a decode step); the kernel walks the block table
-instead. fp32 caches on CPU only: ``get_attention_backend("auto")`` picks it when it can run.
+instead. fp32 or bf16 caches on CPU (computing in fp32 either way):
+``get_attention_backend("auto")`` picks it when it can run.
 """
 
 from __future__ import annotations

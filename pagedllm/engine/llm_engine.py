@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
+from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig, matmul_dtype
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats
@@ -55,8 +55,11 @@ class LLMEngine:
         model = LlamaForCausalLM.from_hf_state_dict(arch, state, dtype, max_model_len)
         del state
         if config.packed_weights and packed and native_available():
-            n = model.attach_packed(packed)
-            logger.info("%d linear layers also keep their GGUF blocks for small batches", n)
+            if dtype == torch.float32:
+                n = model.attach_packed(packed)
+                logger.info("%d linear layers also keep their GGUF blocks for small batches", n)
+            else:  # the blocks' values are not rounded to bf16: they would change answers
+                logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
         del packed
         self.tokenizer = load_tokenizer(self.source)
         eos = set(arch.eos_token_ids)
@@ -107,6 +110,9 @@ class LLMEngine:
         self._request_counter = itertools.count()
         num_tokens = num_blocks * config.block_size
         logger.info("model: %s (%s, %s)", self.source.path, self.source.format, arch.architecture)
+        if matmul_dtype(dtype) != dtype:
+            logger.info("%s model: this CPU has no %s arithmetic, so its linears multiply the %s values in %s "
+                        "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, matmul_dtype(dtype))
         logger.info(
             "config: %s",
             ", ".join(

@@ -30,6 +30,7 @@ FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "paged_attention_f32": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
+    "paged_attention_bf16": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
     "grouped_gemm_q4_1": [_p, _p, _p, _i64, _i64, _i64, _int],
     "grouped_gemm_q8_0": [_p, _p, _p, _i64, _i64, _i64, _int],
     "rms_norm_f32": [_p, _p, _i64, _p, _p, _f, _i64, _i64, _int],

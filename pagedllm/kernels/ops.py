@@ -59,12 +59,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def paged_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Causal attention over the paged cache for every token of the step (native, fp32, CPU).
+    """Causal attention over the paged cache for every token of the step (native, CPU).
 
-    ``q`` [num_tokens, num_heads, head_dim]; the caches already hold this step's K/V.
+    ``q`` [num_tokens, num_heads, head_dim]; the caches (fp32 or bf16) already hold this
+    step's K/V. Computes in fp32 and returns fp32.
     """
     lib = load_kernels()
-    assert lib is not None and _native(q, key_cache, value_cache)
+    assert lib is not None and q.is_cpu and key_cache.is_cpu and key_cache.dtype == value_cache.dtype
+    kernel = {_F32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}[key_cache.dtype]
     args = meta.backend_cache.get("native")
     if args is None:  # once per step, shared by all layers
         tables = meta.block_tables.contiguous()
@@ -76,10 +78,10 @@ def paged_attention(
             (tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs),
             keep,
         )
-    q = q.contiguous()
+    q = q.to(_F32).contiguous()
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    lib.paged_attention_f32(
+    kernel(
         out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *args[0],
         q.shape[1], num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
     )

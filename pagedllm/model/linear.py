@@ -5,6 +5,10 @@ the packed blocks with the native kernel, which reads 0.6 (Q4_1) or 1.1 (Q8_0) b
 weight instead of 4. Bigger batches are compute bound and run the dense matmul on the
 dequantized copy. Both compute in fp32 on the same weight
 values, so the choice changes speed, not answers (up to summation order).
+
+The dense weight may be wider than the activations (bf16 values held in fp32 on CPUs without
+bf16 arithmetic, see ``config.matmul_dtype``): the input is widened and the output rounded
+back, so the layer still speaks the model's dtype.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class Linear(nn.Module):
             else:
                 y = ops.grouped_linear(x, self.packed, self.qtype, self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        if x.dtype is not self.weight.dtype:
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.cpu_native import NativeCPUAttention
+from pagedllm.config import matmul_dtype
 from pagedllm.kernels import ops
 from pagedllm.kernels.build import load_kernels
 from pagedllm.model.arch import ModelArch
@@ -139,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """fp32 logits: a bf16 model's LM head keeps fp32 weights (see ``from_hf_state_dict``)."""
+        return self.lm_head.forward(hidden.to(self.lm_head.weight.dtype)).float()
 
     @classmethod
     def from_hf_state_dict(
@@ -189,6 +191,14 @@ class LlamaForCausalLM(nn.Module):
         model.load_state_dict({k: v.to(dtype).contiguous() for k, v in own.items()}, strict=False, assign=True)
         if arch.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        if dtype != torch.float32:
+            # Logits in fp32 (bf16 keeps ~3 digits: near-ties would flip on rounding), and the
+            # linears in the matmul dtype; both hold the same bf16 values.
+            model.lm_head.weight = nn.Parameter(model.lm_head.weight.float(), requires_grad=False)
+            wide = matmul_dtype(dtype)
+            for module in model.layers.modules():
+                if isinstance(module, Linear):
+                    module.weight = nn.Parameter(module.weight.to(wide), requires_grad=False)
         return model
 
     def attach_packed(self, packed: dict[str, tuple[str, torch.Tensor]]) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.backend import get_attention_backend as _get_backend
+from pagedllm.kernels import ops
 from pagedllm.kernels.ops import native_available
 
 CPU = torch.device("cpu")
@@ -145,6 +146,19 @@ def test_sdpa_matches_reference_bf16(block_size):
     torch.testing.assert_close(fast.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("block_size", [16, 12])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_native_reads_a_bf16_cache_and_computes_in_fp32(block_size, head_dim):
+    """bf16 K/V widen exactly to fp32, so the kernel must equal fp32 attention on those values."""
+    q, k, v, kc, vc, meta, dense = make_batch(5, block_size, 9, 3, torch.bfloat16, head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    out = get_attention_backend("cpu_native", torch.bfloat16).forward(q, k, v, kc, vc, meta, scale)
+    exact = dense_attention(q, dense, meta, 9)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(ops.paged_attention(q, kc, vc, meta, scale), exact, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-7)  # one bf16 rounding
+
+
 def test_write_kv_lands_in_the_mapped_slots():
     q, k, v, kc, vc, meta, _ = make_batch(4, 16, 4, 2, torch.float32)
     get_attention_backend("torch_sdpa").forward(q, k, v, kc, vc, meta, 0.1)
@@ -158,8 +172,12 @@ def test_unknown_backend_is_a_clear_error():
         get_attention_backend("flash-on-cpu")
 
 
-def test_auto_picks_native_for_fp32_and_sdpa_for_bf16():
+def test_auto_picks_native_on_cpu_and_refuses_it_elsewhere():
     assert get_attention_backend("auto", torch.float32).name == "cpu_native"
-    assert get_attention_backend("auto", torch.bfloat16).name == "torch_sdpa"
+    assert get_attention_backend("auto", torch.bfloat16).name == "cpu_native"
+    with ops.torch_only():
+        assert get_attention_backend("auto", torch.bfloat16).name == "torch_sdpa"
+        with pytest.raises(ValueError, match="cpu_native"):
+            get_attention_backend("cpu_native", torch.float32)
     with pytest.raises(ValueError, match="cpu_native"):
-        get_attention_backend("cpu_native", torch.bfloat16)
+        get_attention_backend("cpu_native", torch.float16)

@@ -1,7 +1,8 @@
 // Native CPU kernels for pagedllm, loaded through ctypes (see pagedllm/kernels/build.py).
 //
-// - paged_attention_f32: causal attention for a flattened batch (decodes and prefill chunks)
-//   that reads K/V in place from the paged cache through the block tables - no gather copy.
+// - paged_attention_{f32,bf16}: causal attention for a flattened batch (decodes and prefill
+//   chunks) that reads K/V in place from the paged cache through the block tables - no gather
+//   copy. The bf16 variant reads a bf16 cache (half the bytes) and computes in fp32.
 // - grouped_gemm_{q4_1,q8_0}: y = x @ W^T with W kept in GGUF blocks (regrouped), so a step reads
 //   0.6-1.1 bytes per weight instead of 4. Activations and accumulation stay fp32, so the
 //   result equals x @ dequantize(W)^T up to summation order.
@@ -22,22 +23,40 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int n) {
+// bf16 is the top half of an fp32: widening is exact.
+using bf16_t = uint16_t;
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16_t x) {
+    const uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int n) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    for (int i = 0; i < n; i++) s += a[i] * to_f32(b[i]);
     return s;
 }
 
-inline void axpy(float* y, float alpha, const float* x, int n) {
+template <typename T>
+inline void axpy(float* y, float alpha, const T* x, int n) {
 #pragma omp simd
-    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+    for (int i = 0; i < n; i++) y[i] += alpha * to_f32(x[i]);
 }
 
 }  // namespace
 
 #ifdef PAGEDLLM_AVX2
 namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -77,13 +96,13 @@ inline __m256 hsum8(const __m256 acc[8]) {
 // Attention of one query head row (q: DV*8 floats) over ctx keys reached through the block
 // table. Two passes that each keep few registers live: scores of 8 keys at a time into
 // `scores` (ctx + 8 floats), softmax, then the weighted sum of V rows in DV accumulators.
-template <int DV>
-void attend_one(float* out, const float* q, const float* key_cache, const float* value_cache, const int64_t* table,
+template <int DV, typename T>
+void attend_one(float* out, const float* q, const T* key_cache, const T* value_cache, const int64_t* table,
                 int64_t ctx, int64_t block_size, int64_t token_stride, int64_t head_offset, float scale,
                 float* scores) {
     alignas(32) float qs[DV * 8];
     for (int i = 0; i < DV * 8; i++) qs[i] = q[i] * scale;
-    const float* krow[8];
+    const T* krow[8];
     __m256 vmax = _mm256_set1_ps(-3.0e38f);
     for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
         const int n = int(std::min<int64_t>(8, ctx - j0));
@@ -98,10 +117,10 @@ void attend_one(float* out, const float* q, const float* key_cache, const float*
         }
         __m256 dots[8];
         const __m256 q0 = _mm256_load_ps(qs);
-        for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(krow[j]));
+        for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j]));
         for (int c = 1; c < DV; c++) {
             const __m256 qc = _mm256_load_ps(qs + 8 * c);
-            for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(krow[j] + 8 * c), dots[j]);
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + 8 * c), dots[j]);
         }
         const __m256 sv = hsum8(dots);  // lanes past n repeat a real key: harmless for the max
         vmax = _mm256_max_ps(vmax, sv);
@@ -126,12 +145,12 @@ void attend_one(float* out, const float* q, const float* key_cache, const float*
     __m256 acc[DV];
     for (int c = 0; c < DV; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-        const float* vb = value_cache + table[j0 / block_size] * block_size * token_stride + head_offset;
+        const T* vb = value_cache + table[j0 / block_size] * block_size * token_stride + head_offset;
         const int64_t n = std::min(block_size, ctx - j0);
         for (int64_t jj = 0; jj < n; jj++) {
             const __m256 p = _mm256_set1_ps(scores[j0 + jj]);
-            const float* vr = vb + jj * token_stride;
-            for (int c = 0; c < DV; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+            const T* vr = vb + jj * token_stride;
+            for (int c = 0; c < DV; c++) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
         }
     }
     const __m256 inv = _mm256_set1_ps(1.f / sum);
@@ -144,7 +163,8 @@ void attend_one(float* out, const float* q, const float* key_cache, const float*
 namespace {
 
 // Portable version of attend_one (any head_dim): scores, softmax, weighted sum.
-void attend_one_generic(float* out, const float* q, const float* key_cache, const float* value_cache,
+template <typename T>
+void attend_one_generic(float* out, const float* q, const T* key_cache, const T* value_cache,
                         const int64_t* table, int64_t ctx, int64_t block_size, int64_t token_stride,
                         int64_t head_offset, int64_t head_dim, float scale, std::vector<float>& scores) {
     scores.resize(ctx);
@@ -163,20 +183,17 @@ void attend_one_generic(float* out, const float* q, const float* key_cache, cons
     }
 }
 
-}  // namespace
-
-extern "C" {
 
 // out/q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
 // Sequence s owns tokens query_start_loc[s] .. query_start_loc[s+1]-1, which are the last
 // positions of its seq_lens[s]-token context; token t at position p attends to positions 0..p.
 // Work items are (token, query head): independent, and a kv head's rows are shared in cache
 // by the query heads of its group that run close together.
-void paged_attention_f32(float* out, const float* q, const float* key_cache, const float* value_cache,
-                         const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
-                         const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                         int nthreads) {
+template <typename T>
+void paged_attention(float* out, const float* q, const T* key_cache, const T* value_cache,
+                     const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
+                     const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, int nthreads) {
     const int64_t num_tokens = query_start_loc[num_seqs];
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots
@@ -214,6 +231,29 @@ void paged_attention_f32(float* out, const float* q, const float* key_cache, con
                                scale, scores);
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+void paged_attention_f32(float* out, const float* q, const float* key_cache, const float* value_cache,
+                         const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
+                         const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                         int nthreads) {
+    paged_attention(out, q, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start_loc,
+                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, nthreads);
+}
+
+// The same over a bf16 cache; q and out stay fp32.
+void paged_attention_bf16(float* out, const float* q, const bf16_t* key_cache, const bf16_t* value_cache,
+                          const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
+                          const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          int nthreads) {
+    paged_attention(out, q, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start_loc,
+                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, nthreads);
 }
 
 }  // extern "C"
