@@ -35,8 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"], help="what preemption does with the victim's KV blocks (default: %(default)s)")
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of secondary KV pool for --preemption-mode swap (default: %(default)s)")
     g.add_argument("--swap-path", default=None, help="memory-mapped file backing the swap pool (default: RAM)")
-    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds and the KV cache is fp32, else torch_sdpa (default: %(default)s)")
-    g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF models: run small batches straight from the quantized blocks with the native kernel (default: on)")
+    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds (fp32 or bf16 KV cache on CPU), else torch_sdpa (default: %(default)s)")
+    g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
