@@ -61,6 +61,9 @@ class LLMEngine:
             else:  # the blocks' values are not rounded to bf16: they would change answers
                 logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
         del packed
+        if native_available() and model.embed_tokens.weight.is_cpu:
+            n = model.pack_dense()
+            logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
         self.tokenizer = load_tokenizer(self.source)
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

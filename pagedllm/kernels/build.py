@@ -31,6 +31,7 @@ _p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_i
 _SIGNATURES = {
     "paged_attention_f32": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
     "paged_attention_bf16": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
+    "panel_gemm_f32": [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _int],
     "grouped_gemm_q4_1": [_p, _p, _p, _i64, _i64, _i64, _int],
     "grouped_gemm_q8_0": [_p, _p, _p, _i64, _i64, _i64, _int],
     "rms_norm_f32": [_p, _p, _i64, _p, _p, _f, _i64, _i64, _int],

@@ -108,6 +108,23 @@ def grouped_linear(x: torch.Tensor, grouped: torch.Tensor, qtype: str, out_featu
     return y.reshape(*shape[:-1], out_features)
 
 
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) with W in 16-row panels (``reference.pack_panels``), computed in fp32
+    and returned in x's dtype. x: [M, K]."""
+    if not (native_available() and x.is_cpu):
+        y = reference.panel_linear(x, panels, out_features)
+    else:
+        x32 = x.to(_F32).contiguous()
+        y = torch.empty(x32.shape[0], out_features, dtype=_F32)
+        load_kernels().panel_gemm_f32(
+            _ptr(y), out_features, _ptr(x32), x32.shape[1], _ptr(panels), x32.shape[0], out_features,
+            x32.shape[1], torch.get_num_threads(),
+        )
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:

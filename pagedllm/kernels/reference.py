@@ -80,3 +80,26 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+PANEL = 16
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> the dense GEMM's panels [ceil(N/16), K, 16]: panel[p, k, j] = W[16p + j, k]
+    (zero rows pad the last panel)."""
+    n, k = weight.shape
+    num = -(-n // PANEL)
+    padded = torch.zeros(num * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(num, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out_features, K] weight back from its panels."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features]
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """y = x @ W^T with W in panels: the twin of ``panel_gemm_f32``."""
+    return x.float() @ unpack_panels(panels, out_features).T

@@ -141,7 +141,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits: a bf16 model's LM head keeps fp32 weights (see ``from_hf_state_dict``)."""
-        return self.lm_head.forward(hidden.to(self.lm_head.weight.dtype)).float()
+        return self.lm_head.forward(hidden.to(self.lm_head.compute_dtype)).float()
+
+    def pack_dense(self) -> int:
+        """Give every fp32 linear its panels for the native dense GEMM; returns how many."""
+        self.lm_head.weight_is_shared = self.lm_head.weight is self.embed_tokens.weight
+        return sum(m.pack_dense() for m in self.modules() if isinstance(m, Linear))
 
     @classmethod
     def from_hf_state_dict(

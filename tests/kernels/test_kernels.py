@@ -70,6 +70,40 @@ def test_linear_gives_the_same_rows_from_blocks_and_from_dense_weights():
         torch.testing.assert_close(lin(x[:m]), dense_rows[:m], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 97, 200])
+@pytest.mark.parametrize("n,k", [(1, 8), (16, 96), (37, 577), (100, 64)])
+def test_panel_gemm_matches_matmul(m, n, k):
+    """Tiles of 6 rows x 16 columns and chunks of 96 rows: every tail, K not a multiple of 8."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    panels = reference.pack_panels(w)
+    assert panels.shape == (-(-n // 16), k, 16)
+    torch.testing.assert_close(reference.unpack_panels(panels, n), w, rtol=0, atol=0)
+    want = x.double() @ w.double().t() + bias.double()
+    got = ops.panel_linear(x, panels, n, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    with ops.torch_only():
+        torch.testing.assert_close(ops.panel_linear(x, panels, n, bias), got, rtol=1e-5, atol=1e-4)
+    got_bf16 = ops.panel_linear(x.bfloat16(), panels, n)  # widened in, rounded out
+    assert got_bf16.dtype == torch.bfloat16
+    want_bf16 = x.bfloat16().double() @ w.double().t()
+    torch.testing.assert_close(got_bf16.double(), want_bf16, rtol=2**-7, atol=1e-5 * float(want.abs().max()))
+
+
+def test_linear_moves_its_weight_into_panels_unless_shared():
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(64, 40, bias=True)
+    lin.weight.data, lin.bias.data = torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(30, 64, generator=g)
+    before = lin(x)
+    assert lin.pack_dense() and lin.weight is None and lin.compute_dtype == torch.float32
+    torch.testing.assert_close(lin(x), before, rtol=1e-5, atol=1e-5)
+    assert not lin.pack_dense()  # once
+    tied = Linear(64, 40)
+    tied.weight_is_shared = True
+    assert tied.pack_dense() and tied.weight is not None
+
+
 @pytest.mark.parametrize("t", [1, 5, 33])
 def test_rms_norm_with_and_without_residual(t):
     g = torch.Generator().manual_seed(t)
@@ -138,6 +172,10 @@ def test_portable_build_matches_the_torch_twins(monkeypatch):
             x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
             want = x @ torch.from_numpy(dense).t()
             torch.testing.assert_close(ops.grouped_linear(x, grouped, qtype, 37), want, rtol=1e-4, atol=1e-4)
+    w = torch.randn(37, 50)
+    for m in (1, 8, 100):
+        x = torch.randn(m, 50)
+        torch.testing.assert_close(ops.panel_linear(x, reference.pack_panels(w), 37), x @ w.t(), rtol=1e-5, atol=1e-4)
     q, k, v, kc, vc, meta, _ = make_batch(2, 16, 9, 3, torch.float32, 64)
     ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
     kc2, vc2 = kc.clone(), vc.clone()

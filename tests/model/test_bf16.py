@@ -60,10 +60,11 @@ def test_bf16_fast_path_gives_the_pure_torch_bf16_tokens(tiny_llama_d64, monkeyp
     fast_llm, fast = _generate(tiny_llama_d64, prompts, max_num_batched_tokens=64)
     runner = fast_llm.llm_engine.runner
     assert runner.backend.name == "cpu_native" and runner.kv_caches[0][0].dtype == torch.bfloat16
-    assert fast_llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    down = fast_llm.llm_engine.runner.model.layers[0].mlp.down_proj
+    assert down.compute_dtype == torch.float32 and down.panels is not None
     monkeypatch.setenv("PAGEDLLM_BF16_MATMUL", "bf16")
     with ops.torch_only():
         ref_llm, ref = _generate(tiny_llama_d64, prompts, attention_backend="reference")
-        assert ref_llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+        assert ref_llm.llm_engine.runner.model.layers[0].mlp.down_proj.compute_dtype == torch.bfloat16
     exact = [assert_engines_agree(f"prompt {i}", a, b) for i, (a, b) in enumerate(zip(fast, ref))]
     assert sum(exact) >= len(exact) - 1, exact  # a rounding tie may flip one

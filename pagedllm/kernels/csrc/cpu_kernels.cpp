@@ -456,6 +456,90 @@ void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, in
 
 }  // extern "C"
 
+// ---------------------------------------------------------------------------------------------
+// Dense fp32 GEMM y = x @ W^T for steps of more than a few tokens. W is packed once at load
+// (pagedllm/kernels/reference.py: pack_panels) into panels of 16 rows stored k-major,
+// panel[p][k][j] = W[16p + j][k], so a micro-kernel streams one 16-wide row of the panel per k
+// and keeps a 6 x 16 tile of y in 12 registers: 12 FMAs per 2 loads and 6 broadcasts. x is
+// cut into chunks of rows that stay in L2 while all panels pass over them.
+
+namespace {
+
+constexpr int PANEL = 16;
+constexpr int MR_MAX = 6;
+constexpr int64_t M_CHUNK = 96;
+
+// One 6 x 16 tile of y over the whole K. Named accumulators: with arrays GCC spilled them to
+// the stack on every k (half the speed). Rows past `rows` read row 0 again and are not stored.
+inline void panel_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                       int rows) {
+    const float* xr[MR_MAX];
+    for (int i = 0; i < MR_MAX; i++) xr[i] = x + (i < rows ? i : 0) * ldx;
+#ifdef PAGEDLLM_AVX2
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
+    __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+    const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3], *x4 = xr[4], *x5 = xr[5];
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_load_ps(panel + k * PANEL), w1 = _mm256_load_ps(panel + k * PANEL + 8);
+        __m256 v = _mm256_broadcast_ss(x0 + k);
+        a0 = _mm256_fmadd_ps(v, w0, a0); b0 = _mm256_fmadd_ps(v, w1, b0);
+        v = _mm256_broadcast_ss(x1 + k);
+        a1 = _mm256_fmadd_ps(v, w0, a1); b1 = _mm256_fmadd_ps(v, w1, b1);
+        v = _mm256_broadcast_ss(x2 + k);
+        a2 = _mm256_fmadd_ps(v, w0, a2); b2 = _mm256_fmadd_ps(v, w1, b2);
+        v = _mm256_broadcast_ss(x3 + k);
+        a3 = _mm256_fmadd_ps(v, w0, a3); b3 = _mm256_fmadd_ps(v, w1, b3);
+        v = _mm256_broadcast_ss(x4 + k);
+        a4 = _mm256_fmadd_ps(v, w0, a4); b4 = _mm256_fmadd_ps(v, w1, b4);
+        v = _mm256_broadcast_ss(x5 + k);
+        a5 = _mm256_fmadd_ps(v, w0, a5); b5 = _mm256_fmadd_ps(v, w1, b5);
+    }
+    alignas(32) float tile[MR_MAX][PANEL];
+    _mm256_store_ps(tile[0], a0); _mm256_store_ps(tile[0] + 8, b0);
+    _mm256_store_ps(tile[1], a1); _mm256_store_ps(tile[1] + 8, b1);
+    _mm256_store_ps(tile[2], a2); _mm256_store_ps(tile[2] + 8, b2);
+    _mm256_store_ps(tile[3], a3); _mm256_store_ps(tile[3] + 8, b3);
+    _mm256_store_ps(tile[4], a4); _mm256_store_ps(tile[4] + 8, b4);
+    _mm256_store_ps(tile[5], a5); _mm256_store_ps(tile[5] + 8, b5);
+#else
+    float tile[MR_MAX][PANEL] = {};
+    for (int64_t k = 0; k < K; k++)
+        for (int i = 0; i < MR_MAX; i++) {
+            const float v = xr[i][k];
+#pragma omp simd
+            for (int j = 0; j < PANEL; j++) tile[i][j] += v * panel[k * PANEL + j];
+        }
+#endif
+    for (int i = 0; i < rows; i++) std::memcpy(y + i * ldy, tile[i], cols * sizeof(float));
+}
+
+void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                 int64_t rows) {
+    for (int64_t m = 0; m < rows; m += MR_MAX)
+        panel_tile(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(std::min<int64_t>(MR_MAX, rows - m)));
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W packed by pack_panels.
+void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
+                    int64_t K, int nthreads) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int64_t rows = std::min(M_CHUNK, M - m0);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; p++) {
+            const int cols = int(std::min<int64_t>(PANEL, N - p * PANEL));
+            panel_tiles(y + m0 * ldy + p * PANEL, ldy, x + m0 * ldx, ldx, panels + p * K * PANEL, K, cols, rows);
+        }
+    }
+}
+
+}  // extern "C"
+
 extern "C" {
 
 // Which instruction set this build used, for logs and tests.
