@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,12 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cache_dir() -> Path:
+    """Where built artefacts are kept (tokenizers built from GGUF, compiled kernels):
+    ``$PAGEDLLM_CACHE_DIR``, default ~/.cache/pagedllm."""
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
 
 
 def matmul_dtype(dtype: torch.dtype) -> torch.dtype:

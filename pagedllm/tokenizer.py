@@ -1,7 +1,7 @@
 """Tokenizer loading: from a Hugging Face directory, or built from a GGUF file and cached.
 
 transformers can build a fast tokenizer (and chat template) from GGUF metadata, but that
-takes seconds; the result is saved under ``$PAGEDLLM_CACHE`` (default ~/.cache/pagedllm),
+takes seconds; the result is saved under ``$PAGEDLLM_CACHE_DIR`` (default ~/.cache/pagedllm),
 keyed by the file's content, and reloaded from there in well under a second.
 """
 
@@ -14,15 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pagedllm.config import cache_dir
 from pagedllm.model.loader import ModelSource
 
 logger = logging.getLogger(__name__)
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE", Path.home() / ".cache" / "pagedllm"))
 
 
 def _file_key(path: Path) -> str:

@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pagedllm.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
@@ -44,8 +46,7 @@ _SIGNATURES = {
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
-    return Path(root) / "kernels"
+    return cache_dir() / "kernels"
 
 
 def _cpu_signature() -> str:

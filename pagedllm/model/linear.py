@@ -20,11 +20,11 @@ from torch import nn
 
 from pagedllm.kernels import ops, reference
 
-# Up to this many rows (tokens) the packed kernel beats the dense matmul on this machine
-# class; above it the dense path wins. All 121 linears of SmolLM2-135M, fp32, 2 cores:
-# 1 row 10 vs 56 ms, 16 rows 62-71 vs 108-120 ms, 32 rows 145-147 vs 150-174 ms, 64 rows
-# 303 vs 200 ms (packed vs dense).
-PACKED_MAX_ROWS = 24
+# Up to this many rows (tokens) the packed kernel beats the dense GEMM on this machine class;
+# above it the dense path wins. All 121 linears of SmolLM2-135M, fp32, 2 cores, packed blocks
+# vs native dense panels: 1 row 6.9 vs 23.7 ms, 8 rows 25.9 vs 34.0, 12 rows 40.7 vs 34.7,
+# 24 rows 84.4 vs 47.9 ms (MKL's sgemm: 56 ms at 1 row, 92-120 ms at 16).
+PACKED_MAX_ROWS = 10
 
 
 class Linear(nn.Module):
@@ -39,7 +39,7 @@ class Linear(nn.Module):
         self.qtype: str | None = None
         self._gemm = None  # the native kernel for self.packed, when the library is built
         # The dense weight as 16-row panels for the native GEMM (pagedllm/kernels/reference.py:
-        # pack_panels); it then replaces self.weight unless that is shared (tied embeddings).
+        # pack_panels), set by pack_dense.
         self.panels: torch.Tensor | None = None
 
     def set_packed(self, packed: torch.Tensor, qtype: str) -> None:
@@ -50,16 +50,20 @@ class Linear(nn.Module):
         self.qtype = qtype
         self._gemm = ops.grouped_gemm_fn(qtype, self.in_features)
 
-    def pack_dense(self) -> bool:
-        """Move an fp32 dense weight on CPU into panels for the native GEMM. True if done."""
+    def pack_dense(self, keep_weight: bool = False) -> bool:
+        """Move an fp32 dense weight on CPU into panels for the native GEMM. True if done.
+
+        ``keep_weight`` for a weight that is also used elsewhere (an LM head tied to the
+        embedding table); otherwise the panels replace it, holding the same values.
+        """
         w = self.weight
         if self.panels is not None or w is None or w.dtype != torch.float32 or not w.is_cpu:
             return False
         if not ops.native_available():
             return False
         self.panels = reference.pack_panels(w)
-        if not getattr(self, "weight_is_shared", False):
-            self.weight = None  # the panels hold the same values
+        if not keep_weight:
+            self.weight = None
         return True
 
     @property

@@ -145,8 +145,9 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_dense(self) -> int:
         """Give every fp32 linear its panels for the native dense GEMM; returns how many."""
-        self.lm_head.weight_is_shared = self.lm_head.weight is self.embed_tokens.weight
-        return sum(m.pack_dense() for m in self.modules() if isinstance(m, Linear))
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return sum(m.pack_dense(keep_weight=tied and m is self.lm_head) for m in linears)
 
     @classmethod
     def from_hf_state_dict(

@@ -100,8 +100,7 @@ def test_linear_moves_its_weight_into_panels_unless_shared():
     torch.testing.assert_close(lin(x), before, rtol=1e-5, atol=1e-5)
     assert not lin.pack_dense()  # once
     tied = Linear(64, 40)
-    tied.weight_is_shared = True
-    assert tied.pack_dense() and tied.weight is not None
+    assert tied.pack_dense(keep_weight=True) and tied.weight is not None
 
 
 @pytest.mark.parametrize("t", [1, 5, 33])

@@ -51,6 +51,10 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, variant):
     # Lengths around and across block boundaries (block_size 16), in one batch.
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 40, 100)]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    model = llm.llm_engine.runner.model  # the native dense GEMM's panels replace the weights...
+    assert model.layers[0].mlp.down_proj.panels is not None and model.layers[0].mlp.down_proj.weight is None
+    assert model.lm_head.panels is not None  # ...except the one a tied LM head shares with the embedding
+    assert (model.lm_head.weight is model.embed_tokens.weight) == overrides.get("tie_word_embeddings", False)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
