@@ -23,6 +23,8 @@
 
 namespace {
 
+constexpr int MAX_GROUP = 8;  // query heads attended together (more are split into rounds)
+
 // bf16 is the top half of an fp32: widening is exact.
 using bf16_t = uint16_t;
 inline float to_f32(float x) { return x; }
@@ -93,17 +95,25 @@ inline __m256 hsum8(const __m256 acc[8]) {
     return _mm256_add_ps(lo, hi);
 }
 
-// Attention of one query head row (q: DV*8 floats) over ctx keys reached through the block
-// table. Two passes that each keep few registers live: scores of 8 keys at a time into
-// `scores` (ctx + 8 floats), softmax, then the weighted sum of V rows in DV accumulators.
+// Attention of G <= MAX_GROUP query heads that share one KV head (q/out: G consecutive rows of
+// DV*8 floats) over ctx keys reached through the block table. Each K/V row is fetched once
+// for all G heads - the first head brings it into L1, the others reuse it - which matters
+// because fetching rows from L2 is what bounds this loop (measured: ~40 cycles per key and
+// head when each head fetched its own). Two passes per head: scores of 8 keys at a time into
+// `scores` (G rows of `sstride` floats), softmax, then the weighted sum of V rows block by
+// block, with each head's DV accumulators parked in `accbuf` between blocks.
 template <int DV, typename T>
-void attend_one(float* out, const float* q, const T* key_cache, const T* value_cache, const int64_t* table,
-                int64_t ctx, int64_t block_size, int64_t token_stride, int64_t head_offset, float scale,
-                float* scores) {
-    alignas(32) float qs[DV * 8];
-    for (int i = 0; i < DV * 8; i++) qs[i] = q[i] * scale;
+void attend_group(float* out, const float* q, int G, const T* key_cache, const T* value_cache, const int64_t* table,
+                  int64_t ctx, int64_t block_size, int64_t token_stride, int64_t head_offset, float scale,
+                  float* scores, int64_t sstride) {
+    alignas(32) float qs[MAX_GROUP][DV * 8];
+    alignas(32) float accbuf[MAX_GROUP][DV * 8];
+    float vmaxs[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        for (int i = 0; i < DV * 8; i++) qs[g][i] = q[g * DV * 8 + i] * scale;
+        vmaxs[g] = -3.0e38f;
+    }
     const T* krow[8];
-    __m256 vmax = _mm256_set1_ps(-3.0e38f);
     for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
         const int n = int(std::min<int64_t>(8, ctx - j0));
         if (block_size % 8 == 0) {  // the 8 keys are consecutive slots of one block
@@ -115,46 +125,58 @@ void attend_one(float* out, const float* q, const T* key_cache, const T* value_c
                 krow[j] = key_cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride + head_offset;
             }
         }
-        __m256 dots[8];
-        const __m256 q0 = _mm256_load_ps(qs);
-        for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j]));
-        for (int c = 1; c < DV; c++) {
-            const __m256 qc = _mm256_load_ps(qs + 8 * c);
-            for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + 8 * c), dots[j]);
+        for (int g = 0; g < G; g++) {
+            __m256 dots[8];
+            const __m256 q0 = _mm256_load_ps(qs[g]);
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j]));
+            for (int c = 1; c < DV; c++) {
+                const __m256 qc = _mm256_load_ps(qs[g] + 8 * c);
+                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + 8 * c), dots[j]);
+            }
+            const __m256 sv = hsum8(dots);  // lanes past n repeat a real key: harmless for the max
+            _mm256_storeu_ps(scores + g * sstride + j0, sv);
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, sv);
+            for (int j = 0; j < 8; j++) vmaxs[g] = std::max(vmaxs[g], lanes[j]);
         }
-        const __m256 sv = hsum8(dots);  // lanes past n repeat a real key: harmless for the max
-        vmax = _mm256_max_ps(vmax, sv);
-        _mm256_storeu_ps(scores + j0, sv);
     }
-    // Softmax over the ctx scores.
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
-    __m256 vsum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= ctx; j += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mx));
-        vsum = _mm256_add_ps(vsum, e);
-        _mm256_storeu_ps(scores + j, e);
+    // Softmax of each head's ctx scores.
+    float sums[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        float* sc = scores + g * sstride;
+        const __m256 mx = _mm256_set1_ps(vmaxs[g]);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= ctx; j += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx));
+            vsum = _mm256_add_ps(vsum, e);
+            _mm256_storeu_ps(sc + j, e);
+        }
+        sums[g] = hsum(vsum);
+        for (; j < ctx; j++) { sc[j] = std::exp(sc[j] - vmaxs[g]); sums[g] += sc[j]; }
+        for (int i = 0; i < DV * 8; i++) accbuf[g][i] = 0.f;
     }
-    float sum = hsum(vsum);
-    const float mxs = _mm_cvtss_f32(m4);
-    for (; j < ctx; j++) { scores[j] = std::exp(scores[j] - mxs); sum += scores[j]; }
-    // Weighted sum of V rows.
-    __m256 acc[DV];
-    for (int c = 0; c < DV; c++) acc[c] = _mm256_setzero_ps();
+    // Weighted sum of V rows, a block at a time for all heads.
     for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
         const T* vb = value_cache + table[j0 / block_size] * block_size * token_stride + head_offset;
         const int64_t n = std::min(block_size, ctx - j0);
-        for (int64_t jj = 0; jj < n; jj++) {
-            const __m256 p = _mm256_set1_ps(scores[j0 + jj]);
-            const T* vr = vb + jj * token_stride;
-            for (int c = 0; c < DV; c++) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
+        for (int g = 0; g < G; g++) {
+            const float* p = scores + g * sstride + j0;
+            __m256 acc[DV];
+            for (int c = 0; c < DV; c++) acc[c] = _mm256_load_ps(accbuf[g] + 8 * c);
+            for (int64_t jj = 0; jj < n; jj++) {
+                const __m256 pj = _mm256_set1_ps(p[jj]);
+                const T* vr = vb + jj * token_stride;
+                for (int c = 0; c < DV; c++) acc[c] = _mm256_fmadd_ps(pj, load8(vr + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < DV; c++) _mm256_store_ps(accbuf[g] + 8 * c, acc[c]);
         }
     }
-    const __m256 inv = _mm256_set1_ps(1.f / sum);
-    for (int c = 0; c < DV; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+    for (int g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+        for (int c = 0; c < DV; c++)
+            _mm256_storeu_ps(out + g * DV * 8 + 8 * c, _mm256_mul_ps(_mm256_load_ps(accbuf[g] + 8 * c), inv));
+    }
 }
 
 }  // namespace
@@ -187,8 +209,6 @@ void attend_one_generic(float* out, const float* q, const T* key_cache, const T*
 // out/q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
 // Sequence s owns tokens query_start_loc[s] .. query_start_loc[s+1]-1, which are the last
 // positions of its seq_lens[s]-token context; token t at position p attends to positions 0..p.
-// Work items are (token, query head): independent, and a kv head's rows are shared in cache
-// by the query heads of its group that run close together.
 template <typename T>
 void paged_attention(float* out, const float* q, const T* key_cache, const T* value_cache,
                      const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
@@ -200,35 +220,41 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
     std::vector<int64_t> token_seq(num_tokens);
     for (int64_t s = 0; s < num_seqs; s++)
         for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) token_seq[t] = s;
-    const int64_t work = num_tokens * num_heads;
+    // Work items are (token, KV head): the query heads of a group run together (attend_group).
+    const int64_t work = num_tokens * num_kv_heads;
     int64_t max_ctx = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_ctx = std::max(max_ctx, seq_lens[s]);
+    const int64_t sstride = (max_ctx + 15) / 8 * 8;
 #pragma omp parallel num_threads(nthreads)
     {
-        std::vector<float> scores(max_ctx + 8);
-#pragma omp for schedule(dynamic, 3)
+        std::vector<float> scores(sstride * MAX_GROUP);
+#pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < work; w++) {
-            const int64_t t = w / num_heads, head = w % num_heads;
+            const int64_t t = w / num_kv_heads, kvh = w % num_kv_heads;
             const int64_t s = token_seq[t];
             const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // keys 0..ctx-1
             const int64_t* table = block_tables + s * block_table_stride;
-            const int64_t offset = (head / group) * head_dim;
-            const float* qh = q + (t * num_heads + head) * head_dim;
-            float* oh = out + (t * num_heads + head) * head_dim;
+            const int64_t offset = kvh * head_dim;
+            for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += MAX_GROUP) {
+                const int g = int(std::min<int64_t>(MAX_GROUP, (kvh + 1) * group - h0));
+                const float* qh = q + (t * num_heads + h0) * head_dim;
+                float* oh = out + (t * num_heads + h0) * head_dim;
 #ifdef PAGEDLLM_AVX2
-            if (head_dim == 64) {
-                attend_one<8>(oh, qh, key_cache, value_cache, table, ctx, block_size, token_stride, offset, scale,
-                              scores.data());
-                continue;
-            }
-            if (head_dim == 128) {
-                attend_one<16>(oh, qh, key_cache, value_cache, table, ctx, block_size, token_stride, offset, scale,
-                               scores.data());
-                continue;
-            }
+                if (head_dim == 64) {
+                    attend_group<8>(oh, qh, g, key_cache, value_cache, table, ctx, block_size, token_stride, offset,
+                                    scale, scores.data(), sstride);
+                    continue;
+                }
+                if (head_dim == 128) {
+                    attend_group<16>(oh, qh, g, key_cache, value_cache, table, ctx, block_size, token_stride, offset,
+                                     scale, scores.data(), sstride);
+                    continue;
+                }
 #endif
-            attend_one_generic(oh, qh, key_cache, value_cache, table, ctx, block_size, token_stride, offset, head_dim,
-                               scale, scores);
+                for (int i = 0; i < g; i++)
+                    attend_one_generic(oh + i * head_dim, qh + i * head_dim, key_cache, value_cache, table, ctx,
+                                       block_size, token_stride, offset, head_dim, scale, scores);
+            }
         }
     }
 }
