@@ -61,8 +61,8 @@ class LLMEngine:
             else:  # the blocks' values are not rounded to bf16: they would change answers
                 logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
         del packed
-        if native_available() and model.embed_tokens.weight.is_cpu:
-            n = model.pack_dense()
+        n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
+        if n:
             logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
         self.tokenizer = load_tokenizer(self.source)
         eos = set(arch.eos_token_ids)
@@ -113,9 +113,10 @@ class LLMEngine:
         self._request_counter = itertools.count()
         num_tokens = num_blocks * config.block_size
         logger.info("model: %s (%s, %s)", self.source.path, self.source.format, arch.architecture)
-        if matmul_dtype(dtype) != dtype:
+        wide = matmul_dtype(dtype)
+        if wide != dtype:
             logger.info("%s model: this CPU has no %s arithmetic, so its linears multiply the %s values in %s "
-                        "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, matmul_dtype(dtype))
+                        "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, wide)
         logger.info(
             "config: %s",
             ", ".join(

@@ -184,7 +184,7 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
 
 namespace {
 
-// Portable version of attend_one (any head_dim): scores, softmax, weighted sum.
+// Portable attention of one query head (any head_dim): scores, softmax, weighted sum.
 template <typename T>
 void attend_one_generic(float* out, const float* q, const T* key_cache, const T* value_cache,
                         const int64_t* table, int64_t ctx, int64_t block_size, int64_t token_stride,
