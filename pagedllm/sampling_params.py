@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Bounds on what one request may bring, checked before anything is allocated for it. They are
+# far above any real use and keep a hostile request from costing the engine memory or time.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_LOGIT_BIAS_ENTRIES = 4096
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary we load; check_vocab bounds the ids
 
 
 def _is_int(x: Any) -> bool:
@@ -14,7 +25,13 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite real number (NaN and infinities are refused everywhere)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_len(name: str, value: Any, limit: int) -> None:
+    if value is not None and hasattr(value, "__len__") and len(value) > limit:
+        raise ValueError(f"{name} has {len(value)} entries; the limit is {limit}")
 
 
 @dataclass
@@ -57,25 +74,25 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite non-negative number, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k > INT64_MAX:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be a 64-bit integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens!r}")
+            raise ValueError(f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
+            raise ValueError(f"max_tokens must be an integer in [1, {INT64_MAX}], got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise ValueError(f"min_tokens must be an integer in [0, {INT64_MAX}], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.stop is None:
@@ -86,6 +103,13 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
+        _check_len("stop", self.stop, MAX_STOP_STRINGS)
+        if self.max_stop_len > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got {self.max_stop_len}")
+        _check_len("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        _check_len("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
+        _check_len("logit_bias", self.logit_bias, MAX_LOGIT_BIAS_ENTRIES)
+        _check_len("bad_words", self.bad_words, MAX_BAD_WORDS)
         self.stop_token_ids = self._token_list("stop_token_ids", self.stop_token_ids) or []
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -98,7 +122,7 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
-            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):  # NaN fails this too
                 raise ValueError("logit_bias values must be in [-100, 100]")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_list("allowed_token_ids", self.allowed_token_ids)
@@ -108,6 +132,8 @@ class SamplingParams:
             not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words)
         ):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.bad_words and max(len(w) for w in self.bad_words) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"bad_words entries may have at most {MAX_BAD_WORD_CHARS} characters")
         if self.greedy:
             self.temperature = 0.0
         if self.top_k == -1:
@@ -123,6 +149,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary (checked when the request is added)."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k ({self.top_k}) exceeds the vocabulary size ({vocab_size})")
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(self, name) or [] if t >= vocab_size]
             if bad:

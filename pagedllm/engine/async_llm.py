@@ -2,9 +2,16 @@
 
 The model step blocks for tens of milliseconds or more, so it never runs on the event
 loop: a dedicated thread owns the LLMEngine and loops ``step()`` while there is work.
-Requests, aborts and shutdown reach it through a command queue; outputs go back to each
-request's ``asyncio.Queue`` with ``call_soon_threadsafe``. A request whose consumer stops
-listening (a client disconnect cancels the generator) is aborted and its blocks freed.
+Tokenizing and validating a request runs in a small worker pool first, so neither the event
+loop nor the engine thread stalls on one big input. Requests, aborts and shutdown reach the
+engine thread through a command queue; outputs go back to each request's ``asyncio.Queue``
+with ``call_soon_threadsafe``. A request whose consumer stops listening (a client
+disconnect cancels the generator) is aborted and its blocks freed.
+
+Faults: a fault the engine pins on one request ends that request with finish reason
+"error" and nothing else. A fault it cannot attribute (or the engine thread dying) makes the
+engine dead: every pending and later request fails with EngineDeadError and ``on_dead``
+callbacks run (the server then answers 503 and exits non-zero).
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedllm.engine.input_processor import ProcessedRequest, PromptType
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -36,17 +46,28 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats_interval: float = 5.0,
+        max_waiting_requests: int | None = None,
+        num_input_workers: int = 2,
+    ):
         self.engine = LLMEngine(config, log_stats_interval=log_stats_interval)
+        # Beyond this many waiting requests new ones are refused (EngineOverloadedError).
+        self.max_waiting_requests = max_waiting_requests
+        self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input")
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        self.dead: BaseException | None = None  # the cause, once the engine is dead
+        self.on_dead: list[Callable[[BaseException], None]] = []
         self._counter = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # orders commands against the engine's death
         # Callbacks run in the engine thread for every output (e.g. per-token metrics).
         self.output_hooks: list[Any] = []
-        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -58,27 +79,53 @@ class AsyncLLM:
             self._counter += 1
             return f"{prefix}-{self._counter}"
 
-    async def add_request(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request; once the engine accepted it, return its stream of delta outputs.
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU-heavy request work (chat templates, tokenizing) off the loop and the engine."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, lambda: fn(*args, **kwargs))
 
-        Raises ValueError for bad input before anything is streamed.
-        """
-        request_id = request_id or self.new_request_id()
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
         if self._stopped:
-            raise RuntimeError("the engine is shut down")
+            raise EngineDeadError("the engine is shut down")
+
+    async def add_requests(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams,
+        request_ids: list[str],
+        priority: int = 0,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Queue several prompts in one engine command (all or none); return their streams.
+
+        Raises ValueError for bad input, EngineOverloadedError when the waiting queue is
+        full, EngineDeadError when the engine is gone - before anything is streamed.
+        """
+        self._check_alive()
+        processor = self.engine.processor
+        processed = await self.run_in_worker(lambda: [processor.process(p, sampling_params, priority) for p in prompts])
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
-        stream = _Stream(loop)
-        self._commands.put(("add", request_id, prompt, sampling_params, stream, accepted, priority))
+        streams = [_Stream(loop) for _ in prompts]
+        with self._lock:
+            self._check_alive()
+            self._commands.put(("add", list(zip(request_ids, processed, streams)), accepted))
         self._wakeup.set()
         try:
             await accepted
-        except asyncio.CancelledError:  # the caller left while the engine was adding it
-            self.abort(request_id)
+        except asyncio.CancelledError:  # the caller left while the engine was adding them
+            for rid in request_ids:
+                self.abort(rid)
             raise
-        return self._outputs(request_id, stream)
+        return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
+
+    async def add_request(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue one request; once the engine accepted it, return its stream of delta outputs."""
+        (stream,) = await self.add_requests([prompt], sampling_params, [request_id or self.new_request_id()], priority)
+        return stream
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -86,6 +133,7 @@ class AsyncLLM:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item
@@ -102,22 +150,37 @@ class AsyncLLM:
         async for out in await self.add_request(prompt, sampling_params, request_id):
             yield out
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def _command(self, cmd: tuple) -> None:
+        with self._lock:
+            if self.dead is not None:
+                return  # nothing left to act on
+            self._commands.put(cmd)
         self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        self._command(("abort", request_id))
 
     def abort_all(self) -> None:
         """End every request now (shutdown): each stream gets a final 'abort' output."""
-        self._commands.put(("abort_all",))
-        self._wakeup.set()
+        self._command(("abort_all",))
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._commands.put(("stop",))
-        self._wakeup.set()
+        self._command(("stop",))
         self._thread.join(timeout=10)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # an unattributable fault, or a bug in this loop
+            logger.critical("the engine died: %s: %s", type(e).__name__, e, exc_info=e)
+            self._die(e)
+
     def _loop(self) -> None:
         engine = self.engine
         while True:
@@ -125,7 +188,7 @@ class AsyncLLM:
                 while True:
                     cmd = self._commands.get_nowait()
                     if cmd[0] == "stop":
-                        self._fail_all(RuntimeError("the engine shut down"))
+                        self._fail_all(EngineDeadError("the engine shut down"))
                         return
                     self._handle(cmd)
             except queue.Empty:
@@ -134,35 +197,66 @@ class AsyncLLM:
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
+            self._deliver(engine.step())
+
+    def _die(self, cause: BaseException) -> None:
+        error = cause if isinstance(cause, EngineDeadError) else EngineDeadError(f"{type(cause).__name__}: {cause}")
+        with self._lock:
+            self.dead = error
+        self._fail_all(error)
+        while True:  # commands queued before the death was known: answer them too
             try:
-                outputs = engine.step()
-            except Exception as e:  # a bug in a step must not kill the server
-                logger.exception("engine step failed; aborting the running requests")
-                for request_id in list(self._streams):
-                    engine.abort_request(request_id)
-                self._fail_all(RuntimeError(f"engine step failed: {e}"))
-                continue
-            self._deliver(outputs)
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                accepted = cmd[2]
+                accepted.get_loop().call_soon_threadsafe(_set_exception, accepted, error)
+        for callback in self.on_dead:
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("on_dead callback failed")
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, prompt, params, stream, accepted, priority = cmd
+            _, items, accepted = cmd
+            loop = accepted.get_loop()
             try:
-                if request_id in self._streams:
-                    raise ValueError(f"request_id {request_id!r} is already in use")
-                self.engine.add_request(prompt, params, request_id, output_kind=RequestOutputKind.DELTA, priority=priority)
+                self._add_all(items)
             except Exception as e:
-                stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
+                loop.call_soon_threadsafe(_set_exception, accepted, e)
                 return
-            self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_set_result, accepted, time.monotonic())
+            loop.call_soon_threadsafe(_set_result, accepted, time.monotonic())
         elif kind == "abort":
             if cmd[1] in self._streams:
                 self._deliver(self.engine.abort_request(cmd[1]))
         elif kind == "abort_all":
             for request_id in list(self._streams):
                 self._deliver(self.engine.abort_request(request_id))
+
+    def _add_all(self, items: list[tuple[str, ProcessedRequest, _Stream]]) -> None:
+        """Add every item or none (a failure withdraws the ones already added)."""
+        cap = self.max_waiting_requests
+        if cap is not None and self.num_waiting() + len(items) > cap:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.num_waiting()} requests are waiting "
+                f"(max_waiting_requests={cap}); retry later"
+            )
+        added: list[str] = []
+        try:
+            for request_id, processed, stream in items:
+                if request_id in self._streams:
+                    raise ValueError(f"request_id {request_id!r} is already in use")
+                self.engine.add_request(processed, request_id=request_id, output_kind=RequestOutputKind.DELTA)
+                self._streams[request_id] = stream
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
+            raise
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

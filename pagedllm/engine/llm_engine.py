@@ -9,12 +9,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig, matmul_dtype
+from pagedllm.engine.errors import EngineDeadError
+from pagedllm.engine.faults import FaultInjector
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats
@@ -24,16 +26,16 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.kernels.ops import native_available
 from pagedllm.model.loader import load_weights, resolve_model
 from pagedllm.outputs import RequestOutput
-from pagedllm.runner.model_runner import ModelRunner, kv_block_bytes
+from pagedllm.runner.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
 from pagedllm.runner.threads import configure_threads
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler.output import SchedulerOutput
 from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagedllm.engine")
 
-# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text alongside).
-PromptType = str | Mapping[str, Any]
+__all__ = ["LLMEngine", "PromptType"]
 
 
 class LLMEngine:
@@ -109,6 +111,8 @@ class LLMEngine:
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.processor = InputProcessor(self.tokenizer, arch.vocab_size, max_model_len, config.max_num_seqs)
+        self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
         num_tokens = num_blocks * config.block_size
@@ -149,30 +153,9 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
 
-    def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            if not ids:
-                raise ValueError("prompt_token_ids is empty")
-            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.arch.vocab_size})")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, Mapping) and "prompt" in prompt:
-            return self._prompt_tokens(prompt["prompt"])
-        raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-
     def add_request(
         self,
-        prompt: PromptType,
+        prompt: PromptType | ProcessedRequest,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
@@ -180,39 +163,27 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; raises ValueError (and changes nothing) on bad input.
 
+        ``prompt`` may come already validated from ``self.processor.process`` (a server does
+        that off the engine thread; ``sampling_params`` and ``priority`` are then ignored).
         With ``n > 1`` the request runs as n sequences ("{i}_{request_id}") that share the
         prompt's KV blocks; their outputs come back together under ``request_id``.
         """
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.check_vocab(self.arch.vocab_size)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if params.stop and (self.tokenizer is None or not params.detokenize):
-            raise ValueError("stop strings need detokenize=True and a tokenizer")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer")
-        text, ids = self._prompt_tokens(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=self.max_model_len - len(ids))
+        req = prompt if isinstance(prompt, ProcessedRequest) else self.processor.process(prompt, sampling_params, priority)
+        params = req.sampling_params
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        bad_words = self._bad_words_ids(params.bad_words or [])
         samples = [
             Request(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                prompt=text,
-                prompt_token_ids=ids,
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
                 parent_id=request_id,
                 index=i,
-                priority=priority,
-                bad_words_token_ids=bad_words,
+                priority=req.priority,
+                bad_words_token_ids=req.bad_words_token_ids,
             )
             for i in range(params.n)
         ]
@@ -222,24 +193,23 @@ class LLMEngine:
         self._samples_of[request_id] = [r.request_id for r in samples]
         return request_id
 
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Token ids of each bad word, with and without a leading space (as vLLM)."""
-        out: list[list[int]] = []
-        for word in words:
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
-
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples): blocks are freed at once."""
+        self._end_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.make_outputs()
+
+    def _end_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         for sample_id in self._samples_of.pop(request_id, []):
-            req = self.scheduler.abort(sample_id)
+            req = self.scheduler.end(sample_id, status)
             if req is not None:
+                req.error = error
                 self.runner.free_request(sample_id)
                 self.output_processor.mark(req)
-        return self.output_processor.make_outputs()
+
+    def _fail_request(self, req: Request, error: BaseException) -> None:
+        """A fault pinned on one request ends that request (all its samples) and nothing else."""
+        logger.error("request %s failed: %s: %s", req.parent_id, type(error).__name__, error, exc_info=error)
+        self._end_request(req.parent_id, RequestStatus.FINISHED_ERROR, f"{type(error).__name__}: {error}")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -254,7 +224,9 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return self.output_processor.make_outputs()
-        result = self.runner.execute(sched_out)
+        self.faults.after_schedule(s.request.prompt_token_ids for s in sched_out.scheduled)
+        self.runner.move_blocks(sched_out)
+        result = self._execute(sched_out)
         # Who each drawn token belongs to, before update_from_output forks pending samples.
         targets = [[s.request, *s.request.pending_forks] if tokens else [] for s, tokens in zip(sched_out.scheduled, result.sampled)]
         for owners, lps in zip(targets, result.logprobs):
@@ -276,7 +248,11 @@ class LLMEngine:
         finished = self.scheduler.update_from_output(sched_out, result.sampled)
         for owners in targets:
             for req in owners:
-                stop = self.output_processor.on_new_tokens(req, 1)
+                try:
+                    stop = self.output_processor.on_new_tokens(req, 1)
+                except Exception as e:  # e.g. a detokenizer fault: this request's alone
+                    self._fail_request(req, e)
+                    continue
                 if stop is not None:
                     if req.status.finished:  # also hit max_tokens: the stop string wins
                         req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
@@ -284,6 +260,8 @@ class LLMEngine:
                         self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
                         finished.append(req)
         for req in finished:
+            if req.status is RequestStatus.FINISHED_ERROR:
+                continue  # already cleaned up by _fail_request
             self.runner.free_request(req.request_id)
             if all(self.scheduler.requests.get(r) is None for r in self._samples_of.get(req.parent_id, [])):
                 self._samples_of.pop(req.parent_id, None)
@@ -302,6 +280,57 @@ class LLMEngine:
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
         return self.output_processor.make_outputs()
+
+    def _execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
+        """Run the step; if it fails, find the request(s) it fails for and fail only them.
+
+        A failing step is run again over halves of its requests (recursively) until every
+        failure is pinned on a single request; the runner only writes the scheduled tokens'
+        own K/V slots, so re-running is safe. Failed requests leave ``out.scheduled`` (and
+        the result) before the scheduler sees them. When every request of a step of two or
+        more fails on its own, the fault is the engine's, not theirs: EngineDeadError.
+        """
+        try:
+            self.faults.before_model_step(s.request.prompt_token_ids for s in out.scheduled)
+            return self.runner.execute(out)
+        except Exception as first_error:
+            logger.warning("engine step failed (%s: %s); isolating the request(s) it fails for",
+                           type(first_error).__name__, first_error)
+            cause = first_error
+        results: dict[int, tuple[list[int], list]] = {}  # scheduled index -> (sampled, logprobs)
+        prompt_lps: dict[str, list] = {}
+        failed: dict[int, BaseException] = {}
+
+        def run(indices: list[int]) -> None:
+            part = SchedulerOutput(scheduled=[out.scheduled[i] for i in indices])
+            try:
+                self.faults.before_model_step(s.request.prompt_token_ids for s in part.scheduled)
+                res = self.runner.execute(part)
+            except Exception as e:
+                if len(indices) == 1:
+                    failed[indices[0]] = e
+                    return
+                mid = len(indices) // 2
+                run(indices[:mid])
+                run(indices[mid:])
+                return
+            for i, sampled, lps in zip(indices, res.sampled, res.logprobs):
+                results[i] = (sampled, lps)
+            prompt_lps.update(res.prompt_logprobs)
+
+        run(list(range(len(out.scheduled))))
+        if len(out.scheduled) > 1 and len(failed) == len(out.scheduled):
+            raise EngineDeadError(f"engine step failed for every request on its own: {cause}") from cause
+        for i, error in failed.items():
+            self._fail_request(out.scheduled[i].request, error)
+        # Samples of a failed request may sit elsewhere in the step: drop every ended one.
+        keep = [i for i in range(len(out.scheduled)) if i in results and not out.scheduled[i].request.status.finished]
+        out.scheduled = [out.scheduled[i] for i in keep]
+        return ModelRunnerOutput(
+            sampled=[results[i][0] for i in keep],
+            logprobs=[results[i][1] for i in keep],
+            prompt_logprobs=prompt_lps,
+        )
 
     @property
     def num_preemptions_total(self) -> int:

@@ -137,6 +137,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.request.num_preemptions for s in parent.samples),
+            error=next((s.request.error for s in parent.samples if s.request.error), None),
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,

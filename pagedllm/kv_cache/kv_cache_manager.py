@@ -10,13 +10,28 @@ With prefix caching on, every block that becomes full is registered under its ch
 content hash; a new request adopts the longest chain of cached blocks matching its tokens
 (``get_computed_blocks``) and computes only the rest. The last token is always computed so
 that the step produces logits.
+
+At DEBUG (logger ``pagedllm.kv_cache``) each allocation event logs one line starting with
+``kv alloc``, ``kv free``, ``kv fork``, ``kv swap_out`` or ``kv swap_in``.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from typing import Iterable, Sequence
 
 from pagedllm.kv_cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+
+logger = logging.getLogger("pagedllm.kv_cache")
+
+
+def abbrev(items: Iterable[object], limit: int = 16) -> str:
+    """``[a,b,c]`` for log lines; past ``limit`` items the rest shows as ``...+N``."""
+    items = list(items)
+    shown = ",".join(map(str, items[:limit]))
+    if len(items) > limit:
+        shown += f",...+{len(items) - limit}"
+    return f"[{shown}]"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -33,13 +48,19 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
-        self._pending_copies: list[tuple[int, int]] = []
+        # Copy-on-write copies not yet handed to the runner, by request: a request preempted
+        # in the same step withdraws its copies with its blocks.
+        self._pending_copies: dict[str, list[tuple[int, int]]] = {}
         # Swap preemption: a secondary pool holding the blocks of swapped-out requests.
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
         self.req_to_swapped: dict[str, list[KVBlock]] = {}
         self._pending_swap_out: list[tuple[int, int]] = []  # (primary block, swap block)
         self._pending_swap_in: list[tuple[int, int]] = []  # (swap block, primary block)
         self.num_swap_outs = 0
+        # Running totals for the scheduler's DEBUG step line (an integer add each).
+        self.num_allocated_total = 0  # primary blocks handed out new: fresh, copy-on-write, swap-in
+        self.num_freed_total = 0  # primary blocks returned to the free queue
+        self.num_cached_hits_total = 0  # prefix-cache blocks adopted
 
     @property
     def num_blocks(self) -> int:
@@ -110,10 +131,27 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         for i in shared:
             (copy,) = self.block_pool.get_new_blocks(1)
-            self._pending_copies.append((blocks[i].block_id, copy.block_id))
+            self._pending_copies.setdefault(request_id, []).append((blocks[i].block_id, copy.block_id))
             self.block_pool.free_blocks([blocks[i]])
             blocks[i] = copy
-        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        new = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new)
+        self.num_allocated_total += num_new_blocks + len(shared)
+        self.num_cached_hits_total += len(computed_blocks)
+        if (new or shared or computed_blocks) and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "kv alloc req=%s new=%d ids=%s cached_hits=%d cow=%d tokens=%d+%d blocks=%d free=%d/%d",
+                request_id,
+                len(new),
+                abbrev(b.block_id for b in new),
+                len(computed_blocks),
+                len(shared),
+                num_computed_tokens,
+                num_new_tokens,
+                len(blocks),
+                self.block_pool.num_free_blocks,
+                self.num_blocks,
+            )
         return True
 
     def cache_blocks(self, request_id: str, num_computed_tokens: int, token_ids: Sequence[int]) -> None:
@@ -139,16 +177,32 @@ class KVCacheManager:
         parent = self.req_to_blocks.get(parent_id, [])
         self.block_pool.touch(parent)
         self.req_to_blocks[child_id] = list(parent)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kv fork parent=%s child=%s shared=%d", parent_id, child_id, len(parent))
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (and swapped copies); its tail goes into the free queue first."""
         blocks = self.req_to_blocks.pop(request_id, [])
+        self._pending_copies.pop(request_id, None)  # nothing will read the copies' destinations
         self.req_to_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        free_before = self.block_pool.num_free_blocks
         self.block_pool.free_blocks(reversed(blocks))
+        returned = self.block_pool.num_free_blocks - free_before  # less than len(blocks) if shared
+        self.num_freed_total += returned
         swapped = self.req_to_swapped.pop(request_id, None)
         if swapped and self.swap_pool is not None:
             self.swap_pool.free_blocks(swapped)
+        if (blocks or swapped) and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "kv free req=%s blocks=%d returned=%d swapped=%d free=%d/%d",
+                request_id,
+                len(blocks),
+                returned,
+                len(swapped or ()),
+                self.block_pool.num_free_blocks,
+                self.num_blocks,
+            )
 
     def swap_out(self, request_id: str) -> bool:
         """Move a request's blocks to the swap pool (copied before the next forward)."""
@@ -156,10 +210,21 @@ class KVCacheManager:
         if self.swap_pool is None or not blocks or len(blocks) > self.swap_pool.num_free_blocks:
             return False
         dst = self.swap_pool.get_new_blocks(len(blocks))
-        self._pending_swap_out += [(b.block_id, d.block_id) for b, d in zip(blocks, dst)]
+        # A block whose copy-on-write copy is still pending holds nothing yet: save the copy's
+        # source instead (swap-outs run before copies, while the source is intact).
+        copied_from = {d: s for s, d in self._pending_copies.get(request_id, ())}
+        self._pending_swap_out += [(copied_from.get(b.block_id, b.block_id), d.block_id) for b, d in zip(blocks, dst)]
         self.free(request_id)
         self.req_to_swapped[request_id] = dst
         self.num_swap_outs += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "kv swap_out req=%s blocks=%d swap_free=%d/%d",
+                request_id,
+                len(dst),
+                self.swap_pool.num_free_blocks,
+                self.swap_pool.num_blocks,
+            )
         return True
 
     def is_swapped(self, request_id: str) -> bool:
@@ -177,6 +242,16 @@ class KVCacheManager:
         self.swap_pool.free_blocks(swapped)
         del self.req_to_swapped[request_id]
         self.req_to_blocks[request_id] = new
+        self.num_allocated_total += len(new)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "kv swap_in req=%s blocks=%d ids=%s free=%d/%d",
+                request_id,
+                len(new),
+                abbrev(b.block_id for b in new),
+                self.block_pool.num_free_blocks,
+                self.num_blocks,
+            )
         return True
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -193,7 +268,8 @@ class KVCacheManager:
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs the runner must apply before the next forward."""
-        copies, self._pending_copies = self._pending_copies, []
+        copies = [c for pairs in self._pending_copies.values() for c in pairs]
+        self._pending_copies = {}
         return copies
 
     def check_integrity(self) -> None:

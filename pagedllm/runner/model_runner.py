@@ -121,14 +121,24 @@ class ModelRunner:
             k.index_copy_(0, dst, k[src])
             v.index_copy_(0, dst, v[src])
 
-    def execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
-        """Run one step: sampled tokens (and log-probabilities) for each scheduled request."""
-        # Order matters: save swapped-out blocks before anyone reuses them; copy-on-write
-        # copies read their sources before a swap-in may reuse a block freed this step;
-        # swap-ins last overwrite whatever a withdrawn copy wrote; then the forward.
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """Apply the step's block moves; call before ``execute``.
+
+        Order matters: save swapped-out blocks before anyone reuses them; copy-on-write
+        copies read their sources before a swap-in may reuse a block freed this step;
+        swap-ins last overwrite whatever a withdrawn copy wrote.
+        """
         self._swap(out.swap_out, to_swap=True)
         self._copy_blocks(out.block_copies)
         self._swap(out.swap_in, to_swap=False)
+
+    def execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
+        """Run one step's forward and sampling over ``out.scheduled`` (blocks already moved).
+
+        It only writes the K/V of the scheduled tokens into their own slots, so running it
+        again, or over a subset of the requests, is safe: the engine does that to find which
+        request a failing step belongs to.
+        """
         sched = out.scheduled
         # Decode rows (one query token) first: the backend batches them in one call.
         order = sorted(range(len(sched)), key=lambda i: sched[i].num_new_tokens != 1)

@@ -13,17 +13,23 @@ When a running request cannot get a block, a victim chosen by the policy (fcfs: 
 recently admitted) is preempted: its blocks are freed and it goes back to the waiting
 queue, to be recomputed from its prompt and the tokens it already generated (outputs do not
 change; with prefix caching most of its blocks come back as cache hits).
+
+At DEBUG (logger ``pagedllm.scheduler``) every ``schedule()`` logs one line starting with
+``step N:``; at INFO the cost is one ``isEnabledFor`` test per step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+from pagedllm.kv_cache.kv_cache_manager import KVCacheManager, abbrev
 from pagedllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from pagedllm.scheduler.policy import WaitingQueue, outranks, pick_victim
+
+logger = logging.getLogger("pagedllm.scheduler")
 
 
 @dataclass
@@ -44,6 +50,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.num_steps = 0  # schedule() calls; numbers the DEBUG step lines
+        # KV counters (allocated, freed, cached hits) when the last step line was logged, and its step.
+        self._log_marks: tuple[int, int, int] = (0, 0, 0)
+        self._log_marks_step = -1
 
     # ----------------------------------------------------------------- admission
     def check_request(self, request: Request) -> None:
@@ -96,6 +106,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         policy = self.config.scheduling_policy
         now = time.monotonic()
+        self.num_steps += 1
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if debug:
+            # Block counts since the previous step line (so frees of requests that finished
+            # after it count too), or since this call began when the previous step was not logged.
+            marks = self._log_marks if self._log_marks_step == self.num_steps - 1 else self._kv_marks()
 
         # 1. Running requests, oldest first, each with the tokens it lacks.
         for req in list(self.running):
@@ -163,7 +179,43 @@ class Scheduler:
         out.swap_out, out.swap_in = self.kv.take_pending_swaps()
         assert self._num_running_seqs() <= self.config.max_num_seqs
         assert budget == self.config.max_num_batched_tokens - out.num_scheduled_tokens >= 0
+        if debug:
+            self._log_step(out, marks)
         return out
+
+    def _kv_marks(self) -> tuple[int, int, int]:
+        kv = self.kv
+        return kv.num_allocated_total, kv.num_freed_total, kv.num_cached_hits_total
+
+    def _log_step(self, out: SchedulerOutput, marks: tuple[int, int, int]) -> None:
+        """One DEBUG line for this step: what runs, what was preempted, what the KV pool did."""
+        now_marks = self._kv_marks()
+        allocated, freed, hits = (a - b for a, b in zip(now_marks, marks))
+        self._log_marks, self._log_marks_step = now_marks, self.num_steps
+        num_decode = sum(
+            1 for s in out.scheduled if s.num_new_tokens == 1 and s.num_computed_tokens >= s.request.num_prompt_tokens
+        )
+        logger.debug(
+            "step %d: scheduled=%d (prefill=%d decode=%d) tokens=%d reqs=%s waiting=%d running=%d preempted=%s "
+            "blocks: allocated=%d freed=%d cached_hits=%d free=%d/%d copies=%d swap_out=%d swap_in=%d",
+            self.num_steps,
+            len(out.scheduled),
+            len(out.scheduled) - num_decode,
+            num_decode,
+            out.num_scheduled_tokens,
+            abbrev(f"{s.request.request_id}:{s.num_new_tokens}" for s in out.scheduled),
+            len(self.waiting),
+            len(self.running),
+            abbrev(out.preempted_ids),
+            allocated,
+            freed,
+            hits,
+            self.kv.num_free_blocks,
+            self.kv.num_blocks,
+            len(out.block_copies),
+            len(out.swap_out),
+            len(out.swap_in),
+        )
 
     def _num_running_seqs(self) -> int:
         """Sequences running now or once their parallel samples fork (n > 1)."""
@@ -240,10 +292,14 @@ class Scheduler:
         return finished
 
     def abort(self, request_id: str) -> Request | None:
+        return self.end(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def end(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a live request from outside the step (abort, or a fault pinned on it)."""
         req = self.requests.get(request_id)
         if req is None or req.status.finished:
             return None
-        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.finish(req, status)
         return req
 
     def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:

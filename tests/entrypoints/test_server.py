@@ -211,14 +211,26 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
 
 
 def test_api_key_and_sigterm_during_streams(tiny_llama_tok):
-    srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS, "--graceful-shutdown-timeout", "1"], env={"PAGEDLLM_API_KEY": "sekret"})
+    srv = ServerProcess(
+        ["--model", str(tiny_llama_tok), *ENGINE_ARGS, "--graceful-shutdown-timeout", "1", "--guard-metrics"],
+        env={"PAGEDLLM_API_KEY": "sekret"},
+    )
     model = str(tiny_llama_tok)
     try:
         body = {"model": model, "prompt": "x", "max_tokens": 2}
         assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 401
         assert httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "sekret"}).status_code == 401
         ok = httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "bearer sekret"}).status_code == 200
+        # Every route that does work is guarded; /health and /version are open.
+        for method, path in [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/docs"), ("GET", "/openapi.json"),
+                             ("GET", "/v1/models"), ("GET", "/metrics")]:  # fmt: skip
+            resp = httpx.request(method, f"{srv.url}{path}", json={"prompt": "x", "tokens": [1]})
+            assert resp.status_code == 401 and resp.json()["error"]["type"] == "AuthenticationError", path
+        assert httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(f"{srv.url}/health").status_code == 200 and httpx.get(f"{srv.url}/version").status_code == 200
 
         async def stream_until_end() -> list[str]:
             headers = {"Authorization": "Bearer sekret"}

@@ -355,3 +355,62 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+# --------------------------------------------------------------------------- copy-on-write vs preemption
+def _apply_moves(content: dict, swap: dict, copies, swap_out, swap_in) -> None:
+    """The runner's order: swap-outs, then copies, then swap-ins (block ids -> contents)."""
+    for src, dst in swap_out:
+        swap[dst] = content.get(src)
+    snapshot = {src: content.get(src) for src, _ in copies}  # index_copy_ reads all sources first
+    for src, dst in copies:
+        content[dst] = snapshot[src]
+    for src, dst in swap_in:
+        content[dst] = swap.get(src)
+
+
+def _forked_pair(kv: KVCacheManager, content: dict) -> None:
+    """Parent 'a' computed 6 tokens (block 2 partly filled), then forked into 'b'."""
+    assert kv.allocate_slots("a", 0, 6)
+    for b in kv.get_block_ids("a"):
+        content[b] = f"kv-of-a-block-{b}"
+    kv.fork("a", "b")
+
+
+def test_preempted_request_withdraws_its_pending_copy_in_swap_mode():
+    """Bug: a copy-on-write copy pending when its request is swapped out in the same step
+    was applied after the swap-out, so the swapped copy of the block held stale K/V."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_swap_blocks=8)
+    content: dict = {}
+    swap: dict = {}
+    _forked_pair(kv, content)
+    shared_tail = kv.get_block_ids("a")[1]
+    assert kv.allocate_slots("a", 6, 1)  # writes into the shared partial block: copy pending
+    assert kv.get_block_ids("a")[1] != shared_tail
+    assert kv.swap_out("a")  # preempted in the same step, before the runner ran
+    copies = kv.take_pending_copies()
+    out, inn = kv.take_pending_swaps()
+    assert copies == []  # the copy went with the request
+    _apply_moves(content, swap, copies, out, inn)
+    # Bring 'a' back in a later step: its second block must hold the shared block's K/V.
+    assert kv.swap_in("a", 7)
+    out, inn = kv.take_pending_swaps()
+    _apply_moves(content, swap, kv.take_pending_copies(), out, inn)
+    restored = kv.get_block_ids("a")
+    assert [content[b] for b in restored] == [f"kv-of-a-block-{b}" for b in (0, shared_tail)]
+    kv.check_integrity()
+
+
+def test_preempted_request_withdraws_its_pending_copy_in_recompute_mode():
+    """Bug: the withdrawn copy's destination, freed and handed out again in the same step,
+    could become a second copy's destination (index_copy_ with duplicate destinations)."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    content: dict = {}
+    _forked_pair(kv, content)  # blocks 0, 1 shared; 2 free
+    assert kv.allocate_slots("a", 6, 1)  # copy 1 -> 2 pending for 'a'
+    kv.free("a")  # preempted (recompute) in the same step
+    assert kv.allocate_slots("b", 6, 1)  # now 'b' alone holds block 1: no copy needed
+    copies = kv.take_pending_copies()
+    assert copies == []
+    assert len({d for _, d in copies}) == len(copies)
+    kv.check_integrity()

@@ -3,38 +3,65 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hashlib
+import hmac
+import json
 import logging
 import os
-import signal
 import threading
 import time
-from typing import Any
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.chat import render_chat
+from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving import OpenAIServing
+from pagedllm.entrypoints.openai.serving import OpenAIServing, RequestFailedError
 
 logger = logging.getLogger("pagedllm.server")
 
-_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
+_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(UNSUPPORTED_FIELDS) | {
     "stop_token_ids", "allowed_token_ids", "logit_bias", "max_tokens", "n", "temperature", "top_p", "top_k",
+    "best_of", "stream_options.continuous_usage_stats", "response_format", "bad_words", "priority", "seed",
 }  # fmt: skip
+# Routes anyone may call even when an API key is set: they do no work and reveal nothing.
+_OPEN_PATHS = {"/health", "/version"}
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+ENGINE_DEATH_EXIT_DELAY = 2.0  # seconds of 503s between the engine's death and the exit
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
+@dataclass
+class ServerConfig:
+    """The HTTP layer's settings (the engine's are EngineConfig)."""
+
+    served_model_name: str
+    model_root: str
+    api_key: str | None = None
+    guard_metrics: bool = False  # with an API key, /metrics needs it too
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+
+
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _param_of(message: str) -> str | None:
@@ -43,12 +70,92 @@ def _param_of(message: str) -> str | None:
     return word if word in _FIELDS else None
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, model_root: str, api_key: str | None = None) -> FastAPI:
+async def _send_error(send: Any, status: int, message: str, type_: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    """API key and request-size checks before any route runs (plain ASGI: streaming and
+    disconnect detection pass through untouched).
+
+    The key is compared in constant time on digests; the scheme 'Bearer' in any case. The
+    body is read up to the limit before the app sees it (413 past it), whether or not the
+    client sent a Content-Length.
+    """
+
+    def __init__(self, app: Any, config: ServerConfig):
+        self.app = app
+        self.config = config
+        self._key_digest = hashlib.sha256(config.api_key.encode()).digest() if config.api_key else None
+
+    def _authorized(self, scope: dict) -> bool:
+        path = scope["path"]
+        if self._key_digest is None or path in _OPEN_PATHS or (path == "/metrics" and not self.config.guard_metrics):
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.strip().partition(" ")
+        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        return hmac.compare_digest(given, self._key_digest) and scheme.lower() == "bearer"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not self._authorized(scope):
+            return await _send_error(send, 401, "missing or wrong API key", "AuthenticationError")
+        limit = self.config.max_request_body_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        too_big = f"request body exceeds the limit of {limit} bytes (--max-request-body-bytes)"
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await _send_error(send, 413, too_big, "RequestTooLargeError")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await _send_error(send, 413, too_big, "RequestTooLargeError")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then: disconnects
+
+        await self.app(scope, replay, send)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client disconnects first, cancel it (its requests are aborted and
+    their KV blocks freed at once) instead of computing an answer nobody reads."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.2)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)  # nobody is listening; the status is for the log
+
+
+def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    served_model_name, model_root = config.served_model_name, config.model_root
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
-    serving = OpenAIServing(llm, served_model_name)
+    serving = OpenAIServing(llm, served_model_name, config.trust_request_chat_template)
     metrics = ServerMetrics(llm, served_model_name)
     app.state.llm = llm
     app.state.metrics = metrics
+    app.add_middleware(GuardMiddleware, config=config)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -61,21 +168,34 @@ def build_app(llm: AsyncLLM, served_model_name: str, model_root: str, api_key: s
         where = ".".join(loc) or "body"
         return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", "BadRequestError", param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+        return error_response(exc.status_code, str(exc.detail), type_)
+
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(400, str(exc), "BadRequestError", _param_of(str(exc)))
 
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+        metrics.rejected.labels(reason="overloaded", **metrics.labels).inc()
+        return error_response(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        metrics.rejected.labels(reason="engine_dead", **metrics.labels).inc()
+        return error_response(503, "the engine is unavailable; retry later", "ServiceUnavailableError")
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, f"internal error (request id {exc.request_id})", "InternalServerError")
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return error_response(500, f"internal error: {exc}", "InternalServerError")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "missing or wrong API key", "AuthenticationError")
-        return await call_next(request)
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        logger.error("internal error %s: %s: %s", error_id, type(exc).__name__, exc, exc_info=exc)
+        return error_response(500, f"internal error (error id {error_id})", "InternalServerError")
 
     def check_model(name: str | None) -> JSONResponse | None:
         if name is not None and name not in (served_model_name, model_root):
@@ -83,12 +203,16 @@ def build_app(llm: AsyncLLM, served_model_name: str, model_root: str, api_key: s
         return None
 
     def respond(result: Any) -> Response:
+        if isinstance(result, Response):
+            return result
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
     @app.get("/health")
     async def health() -> Response:
+        if llm.dead is not None:
+            return error_response(503, "the engine is dead", "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -112,12 +236,12 @@ def build_app(llm: AsyncLLM, served_model_name: str, model_root: str, api_key: s
         }
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return check_model(req.model) or respond(await serving.completion(req))
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return check_model(req.model) or respond(await _unless_disconnected(request, serving.completion(req)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
-        return check_model(req.model) or respond(await serving.chat(req))
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return check_model(req.model) or respond(await _unless_disconnected(request, serving.chat(req)))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
@@ -127,9 +251,9 @@ def build_app(llm: AsyncLLM, served_model_name: str, model_root: str, api_key: s
         if tok is None:
             raise ValueError("this model has no tokenizer")
         if req.messages is not None:
-            ids = render_chat(tok, req.messages, add_generation_prompt=req.add_generation_prompt)
+            ids = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await llm.run_in_worker(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise ValueError("prompt or messages is required")
         body: dict[str, Any] = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
@@ -147,7 +271,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, model_root: str, api_key: s
             raise ValueError(f"tokens contains {bad_ids[0]}, outside the vocabulary [0, {vocab})")
         if llm.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        return JSONResponse({"prompt": llm.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await llm.run_in_worker(llm.tokenizer.decode, req.tokens)})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -161,31 +285,57 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: SmolLM2-135M-Instruct for the embedded model, else --model as given)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (or set PAGEDLLM_API_KEY)")
-    g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted (default: %(default)s)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics (or set PAGEDLLM_API_KEY)")
+    g.add_argument("--guard-metrics", action="store_true", help="with an API key, /metrics needs it too")
+    g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse new requests with 503 + Retry-After while this many wait to be scheduled (default: max(1024, 8 x --max-num-seqs); 0 = no limit)")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger request bodies get 413 (default: %(default)s = 16 MiB)")
+    g.add_argument("--trust-request-chat-template", action="store_true", help="let requests bring their own chat_template (it is code run by the server; off by default)")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted; a second signal exits at once (default: %(default)s)")
     g.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats log lines (default: %(default)s)")
 
 
+def default_max_waiting_requests(max_num_seqs: int) -> int:
+    """A waiting request costs only its prompt in memory, and every refusal is a failed
+    request, so the default cap is generous: it is there to bound queueing delay and memory
+    under a flood, not to shed ordinary bursts."""
+    return max(1024, 8 * max_num_seqs)
+
+
 def run_server(args: argparse.Namespace, engine_config: Any) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
     import uvicorn
 
     from pagedllm.model.loader import DEFAULT_MODEL_NAME
 
-    llm = AsyncLLM(engine_config, log_stats_interval=args.log_stats_interval)
-    served = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    app = build_app(llm, served, str(llm.engine.source.path), api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
+    max_waiting = args.max_waiting_requests
+    if max_waiting is None:
+        max_waiting = default_max_waiting_requests(engine_config.max_num_seqs)
+    if max_waiting < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {max_waiting}")
+    llm = AsyncLLM(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
+    config = ServerConfig(
+        served_model_name=args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME),
+        model_root=str(llm.engine.source.path),
+        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
+        guard_metrics=args.guard_metrics,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
+    app = build_app(llm, config)
     grace = args.graceful_shutdown_timeout
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=grace + 5)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Stop accepting now; let in-flight requests finish for `grace` seconds, then end
-            # the rest with an 'abort' finish so every stream closes cleanly.
+            # the rest with an 'abort' finish so every stream closes cleanly. A second signal
+            # (SIGTERM or SIGINT) stops waiting.
             # Not calling super(): uvicorn would re-raise the signal after shutdown, and the
             # process would die by SIGTERM instead of exiting 0.
             if self.should_exit:
-                self.force_exit = sig == signal.SIGINT  # a second Ctrl-C: stop waiting
+                logger.warning("second signal: exiting now")
+                self.force_exit = True
+                llm.abort_all()
                 return
             logger.info("shutting down: %d request(s) in flight get %.0f s to finish", len(llm.engine.scheduler.requests), grace)
             timer = threading.Timer(grace, llm.abort_all)
@@ -193,7 +343,19 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
             timer.start()
             self.should_exit = True
 
-    logger.info("serving %s on http://%s:%d (OpenAI-compatible API under /v1)", served, args.host, args.port)
-    Server(config).run()
+    server = Server(uv_config)
+
+    def on_engine_death(error: BaseException) -> None:
+        # Every pending request already got its 503. Keep answering 503 (and /health 503) for
+        # a moment so load balancers see it, then stop so a supervisor restarts us.
+        logger.critical("engine dead (%s): the server exits non-zero in %.0f s", error, ENGINE_DEATH_EXIT_DELAY)
+        timer = threading.Timer(ENGINE_DEATH_EXIT_DELAY, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    llm.on_dead.append(on_engine_death)
+    logger.info("serving %s on http://%s:%d (OpenAI-compatible API under /v1; max %s waiting requests)",
+                config.served_model_name, args.host, args.port, max_waiting or "unlimited")
+    server.run()
     llm.shutdown()
-    return 0
+    return 1 if llm.dead is not None else 0

@@ -49,7 +49,13 @@ class ServerMetrics:
         self.request_success = Counter(
             "pagedllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
         )
-        self._labels = labels
+        self.labels = labels
+        self.rejected = Counter(
+            "pagedllm:num_requests_rejected",
+            "Requests refused before reaching the engine, by reason (overloaded: the waiting queue was full; engine_dead).",
+            ["model_name", "reason"],
+            registry=r,
+        )
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.itl = Histogram("pagedllm:inter_token_latency_seconds", "Time between output tokens.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
@@ -85,7 +91,7 @@ class ServerMetrics:
         if out.finished:
             self._last_token_time.pop(out.request_id, None)
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
-            self.request_success.labels(finished_reason=reason, **self._labels).inc()
+            self.request_success.labels(finished_reason=reason, **self.labels).inc()
             if m is not None:
                 self.e2e.observe(now - m.arrival_time)
                 if m.first_scheduled_time is not None:

@@ -6,11 +6,47 @@ Python interface reject the same things with the same messages.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+# Fields of OpenAI's or vLLM's API whose feature pagedllm does not have (yet), each with the
+# test of a value that would ask for it. Such a request is refused (400 naming the field)
+# rather than answered as if it had been honoured: no client should believe it got
+# constrained or tool output when it did not.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "tools": bool,
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": bool,
+    "function_call": lambda v: v not in (None, "none"),
+    "use_beam_search": bool,
+    "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+    "guided_decoding_backend": lambda v: v is not None,
+    "guided_whitespace_pattern": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None,
+    "prompt_logprobs": lambda v: v is not None,
+    "logits_processors": bool,
+    "truncate_prompt_tokens": lambda v: v is not None,
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "prediction": lambda v: v is not None,
+    "return_tokens_as_token_ids": bool,
+    "mm_processor_kwargs": bool,
+    "documents": bool,
+    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
+}
+# OpenAI fields that change nothing here, accepted silently.
+_HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "request_id"}
+_logged_unknown: set[str] = set()
 
 
 class StreamOptions(BaseModel):
@@ -21,7 +57,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -48,6 +84,22 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+
+    def check_supported(self) -> None:
+        """Refuse fields that ask for a feature we lack; log harmless unknown ones once."""
+        given = {**(self.model_extra or {}), **{k: getattr(self, k) for k in self.model_fields_set}}
+        for name, asks_for_it in UNSUPPORTED_FIELDS.items():
+            if name in given and asks_for_it(given[name]):
+                raise ValueError(f"{name} is not supported by this server")
+        best_of = given.get("best_of")
+        if best_of is not None and best_of != self.n:
+            raise ValueError("best_of is not supported by this server (only best_of == n)")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported by this server")
+        for name in self.model_extra or {}:
+            if name not in UNSUPPORTED_FIELDS and name not in _HARMLESS and name != "best_of" and name not in _logged_unknown:
+                _logged_unknown.add(name)
+                logger.info("ignoring unknown request field %r (logged once)", name)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = None
@@ -126,7 +178,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported yet")
+            raise ValueError("response_format other than text is not supported by this server")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens, logprobs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,9 +12,18 @@ from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.chat import render_chat
+from pagedllm.engine.errors import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+# Most prompts one completions request may carry (each is one engine request).
+MAX_PROMPTS_PER_REQUEST = 1024
+# Keys a request's chat_template_kwargs may not set: render_chat passes them itself.
+_RESERVED_TEMPLATE_KWARGS = {"messages", "conversation", "chat_template", "tokenize", "add_generation_prompt",
+                             "continue_final_message", "return_dict", "tools", "documents"}  # fmt: skip
 
 
 @dataclass
@@ -35,28 +45,54 @@ def _request_ids(base_id: str, n_prompts: int) -> list[str]:
     return [base_id if n_prompts == 1 else f"{base_id}-{i}" for i in range(n_prompts)]
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (and only it); the cause is in the server log."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id} failed inside the engine")
+        self.request_id = request_id
+
+
+async def _checked(request_id: str, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Pass outputs through; an output the engine ended with an error raises RequestFailedError."""
+    try:
+        async for out in stream:
+            if any(c.finish_reason == "error" for c in out.outputs):
+                raise RequestFailedError(request_id)
+            yield out
+    finally:
+        await stream.aclose()  # its own cleanup (abort) runs now, not at garbage collection
+
+
 async def _start(
     llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
 ) -> list[AsyncIterator[RequestOutput]]:
-    """Queue every prompt; if one is rejected, withdraw all of them."""
-    streams: list[AsyncIterator[RequestOutput]] = []
+    """Queue every prompt in one engine command: all are accepted or none."""
     ids = _request_ids(base_id, len(prompts))
-    try:
-        for prompt, rid in zip(prompts, ids):
-            streams.append(await llm.add_request(prompt, params, rid, priority))
-    except BaseException:
-        for rid in ids:  # aborting an unknown or finished id is a no-op
-            llm.abort(rid)
-        raise
-    return streams
+    streams = await llm.add_requests(prompts, params, ids, priority)
+    return [_checked(base_id, s) for s in streams]
+
+
+def stream_error_event(error: BaseException, request_id: str) -> str:
+    """The last SSE event of a stream the engine could not finish (then ``[DONE]``)."""
+    if isinstance(error, EngineDeadError):
+        body = {"message": "the engine is unavailable; retry later", "type": "ServiceUnavailableError", "code": 503}
+    else:
+        body = {"message": f"internal error (request id {request_id})", "type": "InternalServerError", "code": 500}
+    return _sse({"error": {**body, "param": None}})
 
 
 async def _aborting_on_exit(llm: AsyncLLM, ids: list[str], body: AsyncIterator[str]) -> AsyncIterator[str]:
     """Stream ``body``; if the client leaves early (even before the first engine output was
-    awaited, when no output stream has started yet), abort the requests."""
+    awaited, when no output stream has started yet), abort the requests. If the engine fails
+    the request mid-stream, the client gets an error event and ``[DONE]``."""
     try:
         async for chunk in body:
             yield chunk
+    except (RequestFailedError, EngineDeadError) as e:
+        logger.warning("stream %s ended by an engine error: %s", ids[0], e)
+        yield stream_error_event(e, ids[0])
+        yield "data: [DONE]\n\n"
     finally:
         for rid in ids:
             llm.abort(rid)
@@ -101,19 +137,48 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str):
+    def __init__(self, llm: AsyncLLM, served_model_name: str, trust_request_chat_template: bool = False):
         self.llm = llm
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.engine.max_model_len
+        self.trust_request_chat_template = trust_request_chat_template
+        self.scheduling_policy = llm.engine.config.scheduling_policy
+
+    def _check_priority(self, priority: int) -> None:
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority is not supported with the '{self.scheduling_policy}' scheduling policy "
+                             "(start the server with --scheduling-policy priority)")
+
+    async def render_chat(self, messages: Any, chat_template: str | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[int]:
+        """Render and tokenize a conversation in the worker pool (never on the event loop).
+
+        A request's own chat_template runs only on a server started with
+        --trust-request-chat-template: a template is code, and code can loop forever.
+        """
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise ValueError("chat_template from a request is refused; start the server with "
+                             "--trust-request-chat-template to allow it")
+        reserved = sorted(set(chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        return await self.llm.run_in_worker(
+            render_chat, self.tokenizer, messages, chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs, **kwargs,
+        )  # fmt: skip
 
     def _decode(self, token_id: int) -> str:
         return self.llm.engine.output_processor._decode_one(token_id) if self.tokenizer is not None else ""
 
     # ------------------------------------------------------------------ completions
     async def completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        req.check_supported()
+        self._check_priority(req.priority)
         params = req.to_sampling_params()
         prompts = req.prompts()
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS_PER_REQUEST} per request")
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await _start(self.llm, prompts, params, rid, req.priority)
@@ -227,13 +292,14 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat")
-        prompt_ids = render_chat(
-            self.tokenizer,
+        req.check_supported()
+        self._check_priority(req.priority)
+        prompt_ids = await self.render_chat(
             req.messages,
             chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs,
         )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")

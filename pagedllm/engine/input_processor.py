@@ -1,0 +1,95 @@
+"""Validate and tokenize a request before it reaches the engine.
+
+Everything here is a pure function of the request and the model's fixed facts (tokenizer,
+vocabulary, context length), so a server runs it in a worker pool: neither the HTTP event
+loop nor the engine thread ever stalls on tokenizing one big input. Every size is checked
+before anything is allocated for the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from pagedllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text alongside).
+PromptType = str | Mapping[str, Any]
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated request: token ids, resolved sampling params, tokenized bad words."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, max_num_seqs: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+
+    def process(self, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0) -> ProcessedRequest:
+        """Raises ValueError naming the field on bad input."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.max_num_seqs})")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            raise ValueError("stop strings need detokenize=True and a tokenizer")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer")
+        text, ids = self._prompt_tokens(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(ids))
+        elif len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        return ProcessedRequest(text, ids, params, priority, self._bad_words_ids(params.bad_words or []))
+
+    def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            if not ids:
+                raise ValueError("prompt_token_ids is empty")
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, Mapping) and "prompt" in prompt:
+            return self._prompt_tokens(prompt["prompt"])
+        raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Token ids of each bad word, with and without a leading space (as vLLM)."""
+        out: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out

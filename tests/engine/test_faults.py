@@ -1,0 +1,152 @@
+"""A fault pinned on one request fails that request only; an unattributable one ends the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedllm.engine.faults import FaultInjector
+from pagedllm.sampling_params import INT64_MAX
+
+MARK = 77
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+
+
+@pytest.fixture()
+def faulty(llm):
+    engine = llm.llm_engine
+    saved = engine.faults
+    engine.faults = FaultInjector(f"request_token={MARK}")
+    yield llm
+    engine.faults = saved
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_model_step_fault_fails_only_its_request(faulty):
+    good = [{"prompt_token_ids": [3, 4, 5, 6]}, {"prompt_token_ids": [9, 8, 7] * 5}]
+    alone = [_tokens(faulty, [p])[0] for p in good]
+    bad = {"prompt_token_ids": [10, MARK, 11]}
+    outs = faulty.generate([good[0], bad, good[1]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == alone
+    assert outs[1].finished and outs[1].outputs[0].finish_reason == "error"
+    assert "injected" in outs[1].error
+    engine = faulty.llm_engine
+    assert not engine.has_unfinished_requests() and engine.kv_cache_manager.usage() == 0.0
+
+
+def test_fault_in_a_parallel_sampling_request_fails_all_its_samples(faulty):
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6)
+    outs = faulty.generate([{"prompt_token_ids": [MARK, 5, 6]}, {"prompt_token_ids": [5, 6]}], params, use_tqdm=False)
+    assert [c.finish_reason for c in outs[0].outputs] == ["error"] * 3
+    assert all(c.finish_reason == "length" for c in outs[1].outputs)
+    assert faulty.llm_engine.kv_cache_manager.usage() == 0.0
+
+
+def test_a_fault_every_request_hits_on_its_own_is_the_engines(faulty):
+    prompts = [{"prompt_token_ids": [MARK, i]} for i in range(3, 6)]
+    with pytest.raises(EngineDeadError):
+        faulty.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def test_a_failing_detokenizer_fails_only_its_request(llm, monkeypatch):
+    processor = llm.llm_engine.output_processor
+    real = processor.on_new_tokens
+
+    def flaky(req, num_new):
+        if req.prompt_token_ids[0] == 42:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(req, num_new)
+
+    monkeypatch.setattr(processor, "on_new_tokens", flaky)
+    outs = llm.generate([{"prompt_token_ids": [42, 5]}, {"prompt_token_ids": [5, 42]}], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and outs[1].outputs[0].finish_reason == "length"
+    assert len(outs[1].outputs[0].token_ids) == 12
+
+
+def test_async_engine_death_fails_pending_and_new_requests(tiny_llama, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_FAULT_INJECTION", f"engine_token={MARK}")
+    llm = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64), log_stats_interval=1e9)
+    deaths: list[BaseException] = []
+    llm.on_dead.append(deaths.append)
+
+    async def scenario() -> None:
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        pending = await llm.add_request({"prompt_token_ids": [5, 6]}, params)
+        first = await pending.__anext__()  # it runs
+        assert first.outputs[0].token_ids
+        await llm.add_request({"prompt_token_ids": [MARK]}, params)
+        with pytest.raises(EngineDeadError):
+            async for _ in pending:
+                pass
+        with pytest.raises(EngineDeadError):
+            await llm.add_request({"prompt_token_ids": [5]}, params)
+
+    try:
+        asyncio.run(scenario())
+        assert len(deaths) == 1 and isinstance(llm.dead, EngineDeadError)
+        assert "InjectedFault" in str(llm.dead)
+    finally:
+        llm.shutdown()
+
+
+def test_waiting_cap_refuses_a_whole_batch(tiny_llama):
+    llm = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64), log_stats_interval=1e9,
+                   max_waiting_requests=2)  # fmt: skip
+
+    async def scenario() -> None:
+        params = SamplingParams(max_tokens=2)
+        with pytest.raises(EngineOverloadedError):
+            await llm.add_requests([{"prompt_token_ids": [5]}] * 3, params, ["a", "b", "c"])
+        streams = await llm.add_requests([{"prompt_token_ids": [5]}] * 2, params, ["d", "e"])
+        for s in streams:
+            assert [o async for o in s][-1].finished
+
+    try:
+        asyncio.run(scenario())
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", math.nan), ("temperature", math.inf), ("top_p", math.nan), ("min_p", math.nan),
+        ("presence_penalty", math.inf), ("frequency_penalty", math.nan), ("repetition_penalty", math.inf),
+        ("repetition_penalty", math.nan), ("seed", 2**64), ("seed", -(2**63) - 1), ("top_k", 2**70),
+        ("max_tokens", 2**64), ("min_tokens", 2**64), ("logit_bias", {5: math.nan}), ("stop", ["s"] * 65),
+        ("stop", ["x" * 1025]), ("stop_token_ids", [1] * 1025), ("bad_words", ["w"] * 129),
+        ("logit_bias", {i: 1.0 for i in range(4097)}), ("allowed_token_ids", [1] * ((1 << 18) + 1)),
+    ],
+)  # fmt: skip
+def test_sampling_params_refuse_out_of_range_values(field, value):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    assert str(err.value).startswith(field)
+
+
+def test_sampling_params_accept_the_edges():
+    SamplingParams(seed=INT64_MAX, top_k=-1, temperature=0, stop=["s"] * 64, logit_bias={1: -100, 2: 100})
+
+
+def test_n_is_checked_before_anything_is_built(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="^n "):
+        engine.add_request({"prompt_token_ids": [5]}, SamplingParams(n=10**8))
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="top_k"):
+        engine.add_request({"prompt_token_ids": [5]}, SamplingParams(top_k=10**6))
