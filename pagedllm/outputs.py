@@ -14,6 +14,17 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass
+class RowLogprobs:
+    """Raw log-probabilities of one sampled row, as the sampler returns them (decoded into
+    ``PositionLogprobs`` by the output processor)."""
+
+    token_logprob: float
+    token_rank: int  # 1-based rank of the sampled token in the raw distribution
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 # One position's entries: the chosen token plus the top-k alternatives.
 PositionLogprobs = dict[int, Logprob]
 

@@ -112,6 +112,9 @@ def test_greedy_parity_with_transformers(config, prompts, oracle):
         for i, (p, o, ref) in enumerate(zip(prompts, outs, oracle))
     ]
     print(f"{config}: {sum(exact)}/{len(exact)} prompts exact")
+    # Measured on AMD EPYC (AVX2): 10/10 exact in every config. One reported near-tie flip is
+    # tolerated for CPUs whose kernels sum in another order; ten would not pass.
+    assert sum(exact) >= len(exact) - 1, f"{config}: only {sum(exact)}/{len(exact)} prompts exact"
     kv = llm.llm_engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_integrity()
@@ -143,6 +146,10 @@ def test_bf16_fast_path_gives_the_pure_torch_bf16_tokens(prompts, monkeypatch):
             llm = LLM(dtype="bfloat16", num_kv_blocks=1024, attention_backend=backend, log_stats_interval=1e9)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[name] = [o.outputs[0] for o in outs]
-    exact = [assert_engines_agree(f"bf16 prompt {i}", a, b) for i, (a, b) in enumerate(zip(runs["fast"], runs["pure-torch"]))]
-    print(f"bf16: {sum(exact)}/{len(exact)} prompts exact")  # measured: 8/10, two ties of 0.04-0.06 nats
-    assert sum(exact) >= len(exact) // 2
+    exact = [
+        assert_engines_agree(f"bf16 prompt {i}", a, b, tie_tol=0.08)
+        for i, (a, b) in enumerate(zip(runs["fast"], runs["pure-torch"]))
+    ]
+    # Measured on AMD EPYC: 8/10 exact, the two flips ties of 0.01-0.06 nats.
+    print(f"bf16: {sum(exact)}/{len(exact)} prompts exact")
+    assert sum(exact) >= 7, f"only {sum(exact)}/{len(exact)} prompts exact"

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.kernels import reference
+
 
 @dataclass
 class AttentionMetadata:
@@ -61,9 +63,7 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+        reference.write_kv(k, v, key_cache, value_cache, slot_mapping)
 
     @abstractmethod
     def forward(

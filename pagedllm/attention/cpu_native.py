@@ -17,4 +17,7 @@ class NativeCPUAttention(AttentionBackend):
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
         ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        return ops.paged_attention(q, key_cache, value_cache, meta, scale).to(q.dtype)
+        out = ops.paged_attention(
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, meta.backend_cache
+        )
+        return out.to(q.dtype)

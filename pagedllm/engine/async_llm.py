@@ -42,7 +42,16 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            pass
+
+    def put_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
 
 
 class AsyncLLM:
@@ -211,7 +220,7 @@ class AsyncLLM:
                 break
             if cmd[0] == "add":
                 accepted = cmd[2]
-                accepted.get_loop().call_soon_threadsafe(_set_exception, accepted, error)
+                _Stream(accepted.get_loop()).put_call(_set_exception, accepted, error)
         for callback in self.on_dead:
             try:
                 callback(error)
@@ -222,13 +231,13 @@ class AsyncLLM:
         kind = cmd[0]
         if kind == "add":
             _, items, accepted = cmd
-            loop = accepted.get_loop()
+            reply = _Stream(accepted.get_loop())
             try:
                 self._add_all(items)
             except Exception as e:
-                loop.call_soon_threadsafe(_set_exception, accepted, e)
+                reply.put_call(_set_exception, accepted, e)
                 return
-            loop.call_soon_threadsafe(_set_result, accepted, time.monotonic())
+            reply.put_call(_set_result, accepted, time.monotonic())
         elif kind == "abort":
             if cmd[1] in self._streams:
                 self._deliver(self.engine.abort_request(cmd[1]))

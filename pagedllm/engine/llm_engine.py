@@ -18,7 +18,8 @@ from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
+from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.logger import configure_logging
@@ -26,10 +27,10 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.kernels.ops import native_available
 from pagedllm.model.loader import load_weights, resolve_model
 from pagedllm.outputs import RequestOutput
-from pagedllm.runner.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
+from pagedllm.runner.model_runner import ModelRunner, kv_block_bytes
 from pagedllm.runner.threads import configure_threads
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler.output import SchedulerOutput
+from pagedllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedllm.tokenizer import load_tokenizer
 
@@ -111,6 +112,7 @@ class LLMEngine:
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.parallel = ParallelSampling(self.scheduler, share_prompt=config.enable_prefix_caching)
         self.processor = InputProcessor(self.tokenizer, arch.vocab_size, max_model_len, config.max_num_seqs)
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
@@ -165,20 +167,22 @@ class LLMEngine:
 
         ``prompt`` may come already validated from ``self.processor.process`` (a server does
         that off the engine thread; ``sampling_params`` and ``priority`` are then ignored).
-        With ``n > 1`` the request runs as n sequences ("{i}_{request_id}") that share the
-        prompt's KV blocks; their outputs come back together under ``request_id``.
+        With ``n > 1`` the request runs as n requests ("{i}_{request_id}") that share the
+        prompt's full KV blocks through the prefix cache (engine/parallel_sampling.py); their
+        outputs come back together under ``request_id``.
         """
         req = prompt if isinstance(prompt, ProcessedRequest) else self.processor.process(prompt, sampling_params, priority)
         params = req.sampling_params
         request_id = request_id if request_id is not None else self.next_request_id()
-        if request_id in self.output_processor.parents:
+        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        if request_id in self.output_processor.parents or any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         samples = [
             Request(
-                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                request_id=ids[i],
                 prompt=req.prompt,
                 prompt_token_ids=req.prompt_token_ids,
-                sampling_params=params,
+                sampling_params=sample_params(params, i),
                 eos_token_ids=self.eos_token_ids,
                 parent_id=request_id,
                 index=i,
@@ -187,8 +191,7 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        samples[0].pending_forks = samples[1:]
-        self.scheduler.add_request(samples[0])
+        self.parallel.add(samples)
         self.output_processor.add(samples, output_kind)
         self._samples_of[request_id] = [r.request_id for r in samples]
         return request_id
@@ -203,8 +206,10 @@ class LLMEngine:
             req = self.scheduler.end(sample_id, status)
             if req is not None:
                 req.error = error
-                self.runner.free_request(sample_id)
                 self.output_processor.mark(req)
+        for req in self.parallel.drop(request_id):  # samples still held back
+            req.status, req.error, req.finished_time = status, error, time.monotonic()
+            self.output_processor.mark(req)
 
     def _fail_request(self, req: Request, error: BaseException) -> None:
         """A fault pinned on one request ends that request (all its samples) and nothing else."""
@@ -224,45 +229,39 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return self.output_processor.make_outputs()
-        self.faults.after_schedule(s.request.prompt_token_ids for s in sched_out.scheduled)
-        self.runner.move_blocks(sched_out)
+        self.faults.after_schedule(self._prompts(sched_out))
+        self.runner.update_states(sched_out)
         result = self._execute(sched_out)
-        # Who each drawn token belongs to, before update_from_output forks pending samples.
-        targets = [[s.request, *s.request.pending_forks] if tokens else [] for s, tokens in zip(sched_out.scheduled, result.sampled)]
-        for owners, lps in zip(targets, result.logprobs):
-            for req, lp in zip(owners, lps):
-                if lp is not None:
-                    req.logprobs.append(lp)
-                    req.cumulative_logprob += lp.token_logprob
-        for s in sched_out.scheduled:
-            entries = result.prompt_logprobs.get(s.request.request_id)
-            if entries:
-                s.request.prompt_logprobs.extend(entries)
-        prompt_tokens = 0  # prompt tokens run for the first time (recomputation excluded)
-        for s in sched_out.scheduled:
-            req = s.request
+        # The scheduled requests, looked up before update_from_output retires finished ones.
+        scheduled = [self.scheduler.requests[s.req_id] for s in sched_out.scheduled]
+        # Prompt tokens run for the first time, once per parent request (as its usage counts
+        # them): recomputation after a preemption and the samples n > 1 adds are excluded.
+        prompt_tokens = 0
+        for s, req in zip(sched_out.scheduled, scheduled):
+            if req.index != 0:
+                continue
             end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens)
             if end > req.num_prompt_tokens_run:
                 prompt_tokens += end - max(s.num_computed_tokens, req.num_prompt_tokens_run)
                 req.num_prompt_tokens_run = end
+        self.output_processor.record_logprobs(scheduled, result)
         finished = self.scheduler.update_from_output(sched_out, result.sampled)
-        for owners in targets:
-            for req in owners:
-                try:
-                    stop = self.output_processor.on_new_tokens(req, 1)
-                except Exception as e:  # e.g. a detokenizer fault: this request's alone
-                    self._fail_request(req, e)
-                    continue
-                if stop is not None:
-                    if req.status.finished:  # also hit max_tokens: the stop string wins
-                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                    else:
-                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-                        finished.append(req)
+        for req, tokens in zip(scheduled, result.sampled):
+            if not tokens:
+                continue
+            try:
+                stop = self.output_processor.on_new_tokens(req, len(tokens))
+            except Exception as e:  # e.g. a detokenizer fault: this request's alone
+                self._fail_request(req, e)
+                continue
+            if stop is not None:
+                if req.status.finished:  # also hit max_tokens: the stop string wins
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                else:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                    finished.append(req)
+        self.parallel.release_ready()
         for req in finished:
-            if req.status is RequestStatus.FINISHED_ERROR:
-                continue  # already cleaned up by _fail_request
-            self.runner.free_request(req.request_id)
             if all(self.scheduler.requests.get(r) is None for r in self._samples_of.get(req.parent_id, [])):
                 self._samples_of.pop(req.parent_id, None)
         stats = StepStats(
@@ -281,7 +280,11 @@ class LLMEngine:
             stat_logger.record(stats)
         return self.output_processor.make_outputs()
 
-    def _execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
+    def _prompts(self, out: SchedulerOutput) -> list[list[int]]:
+        """Prompt token ids of the scheduled requests (for the fault injector)."""
+        return [self.scheduler.requests[s.req_id].prompt_token_ids for s in out.scheduled]
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; if it fails, find the request(s) it fails for and fail only them.
 
         A failing step is run again over halves of its requests (recursively) until every
@@ -291,7 +294,7 @@ class LLMEngine:
         more fails on its own, the fault is the engine's, not theirs: EngineDeadError.
         """
         try:
-            self.faults.before_model_step(s.request.prompt_token_ids for s in out.scheduled)
+            self.faults.before_model_step(self._prompts(out))
             return self.runner.execute(out)
         except Exception as first_error:
             logger.warning("engine step failed (%s: %s); isolating the request(s) it fails for",
@@ -304,7 +307,7 @@ class LLMEngine:
         def run(indices: list[int]) -> None:
             part = SchedulerOutput(scheduled=[out.scheduled[i] for i in indices])
             try:
-                self.faults.before_model_step(s.request.prompt_token_ids for s in part.scheduled)
+                self.faults.before_model_step(self._prompts(part))
                 res = self.runner.execute(part)
             except Exception as e:
                 if len(indices) == 1:
@@ -322,11 +325,12 @@ class LLMEngine:
         if len(out.scheduled) > 1 and len(failed) == len(out.scheduled):
             raise EngineDeadError(f"engine step failed for every request on its own: {cause}") from cause
         for i, error in failed.items():
-            self._fail_request(out.scheduled[i].request, error)
+            self._fail_request(self.scheduler.requests[out.scheduled[i].req_id], error)
         # Samples of a failed request may sit elsewhere in the step: drop every ended one.
-        keep = [i for i in range(len(out.scheduled)) if i in results and not out.scheduled[i].request.status.finished]
+        keep = [i for i in range(len(out.scheduled)) if i in results and out.scheduled[i].req_id in self.scheduler.requests]
         out.scheduled = [out.scheduled[i] for i in keep]
         return ModelRunnerOutput(
+            req_ids=[s.req_id for s in out.scheduled],
             sampled=[results[i][0] for i in keep],
             logprobs=[results[i][1] for i in keep],
             prompt_logprobs=prompt_lps,

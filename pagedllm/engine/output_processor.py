@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.request import Request
+from pagedllm.request import Request
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from pagedllm.sampler.sampler import RowLogprobs
+from pagedllm.outputs import RowLogprobs
+from pagedllm.scheduler.output import ModelRunnerOutput
 
 
 class RequestOutputKind(enum.Enum):
@@ -63,6 +64,23 @@ class OutputProcessor:
                 for r in samples
             ],
         )
+
+    @staticmethod
+    def record_logprobs(reqs: list[Request], result: ModelRunnerOutput) -> None:
+        """Keep the step's raw log-probabilities on the requests (``reqs`` in step order).
+
+        Prompt positions are kept once each: a chunk recomputed after a preemption reports
+        positions the request already has.
+        """
+        for req, lps in zip(reqs, result.logprobs):
+            for lp in lps:
+                if lp is not None:
+                    req.logprobs.append(lp)
+                    req.cumulative_logprob += lp.token_logprob
+            got = result.prompt_logprobs.get(req.request_id)
+            if got is not None:
+                first, entries = got
+                req.prompt_logprobs.extend(entries[max(0, len(req.prompt_logprobs) - first) :])
 
     def on_new_tokens(self, req: Request, num_new: int) -> str | None:
         """Detokenize a sequence's new tokens; return a stop string if one ended it."""

@@ -22,7 +22,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pagedllm.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,9 @@ _SIGNATURES = {
 
 
 def _cache_dir() -> Path:
-    return cache_dir() / "kernels"
+    """$PAGEDLLM_CACHE_DIR/kernels (default ~/.cache/pagedllm/kernels), as ``config.cache_dir``:
+    the kernels import nothing else of pagedllm."""
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "kernels"
 
 
 def _cpu_signature() -> str:

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.kernels import reference
 from pagedllm.kernels.build import load_kernels
 
@@ -57,27 +56,35 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def paged_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged cache for every token of the step (native, CPU).
 
     ``q`` [num_tokens, num_heads, head_dim]; the caches (fp32 or bf16) already hold this
-    step's K/V. Computes in fp32 and returns fp32.
+    step's K/V; ``block_tables`` [num_seqs, max_blocks], ``seq_lens`` [num_seqs] and
+    ``query_start_loc`` [num_seqs + 1] are int64. ``step_cache``, a dict living for one step,
+    keeps the prepared arguments for the other layers. Computes in fp32 and returns fp32.
     """
     lib = load_kernels()
     assert lib is not None and q.is_cpu and key_cache.is_cpu and key_cache.dtype == value_cache.dtype
     kernel = {_F32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}[key_cache.dtype]
-    args = meta.backend_cache.get("native")
+    args = step_cache.get("native") if step_cache is not None else None
     if args is None:  # once per step, shared by all layers
-        tables = meta.block_tables.contiguous()
-        seq_lens = meta.seq_lens.contiguous()
-        qsl = meta.query_start_loc.contiguous()
+        tables = block_tables.contiguous()
+        seq_lens = seq_lens.contiguous()
+        qsl = query_start_loc.contiguous()
         assert tables.dtype == seq_lens.dtype == qsl.dtype == torch.int64
         keep = (tables, seq_lens, qsl)  # the pointers below stay valid while these live
-        args = meta.backend_cache["native"] = (
-            (tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs),
-            keep,
-        )
+        args = ((tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), qsl.data_ptr(), len(seq_lens)), keep)
+        if step_cache is not None:
+            step_cache["native"] = args
     q = q.to(_F32).contiguous()
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -172,7 +179,7 @@ def write_kv(
     T, Hkv, D = k.shape
     rows_ok = (T == 1 or k.stride(0) == v.stride(0)) and k.stride()[1:] == v.stride()[1:] == (D, 1)
     if not (_native(k, v, key_cache, value_cache) and rows_ok and key_cache.is_contiguous()):
-        AttentionBackend.write_kv(k, v, key_cache, value_cache, slot_mapping)
+        reference.write_kv(k, v, key_cache, value_cache, slot_mapping)
         return
     load_kernels().write_kv_f32(
         _ptr(k), _ptr(v), k.stride(0), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping.contiguous()), T, Hkv * D

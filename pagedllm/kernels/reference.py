@@ -103,3 +103,12 @@ def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """y = x @ W^T with W in panels: the twin of ``panel_gemm_f32``."""
     return x.float() @ unpack_panels(panels, out_features).T
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's K/V ([T, Hkv, D]) in its cache slot (caches [blocks, block_size, Hkv, D])."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))

@@ -148,10 +148,6 @@ class BlockPool:
             b.block_hash = None
         self.cached_blocks.clear()
 
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_block_queue if b.block_hash is not None)
-
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add one reference to each block (sharing); a free block leaves the free queue."""
         for b in blocks:

@@ -54,8 +54,12 @@ class KVCacheManager:
         # Swap preemption: a secondary pool holding the blocks of swapped-out requests.
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
         self.req_to_swapped: dict[str, list[KVBlock]] = {}
-        self._pending_swap_out: list[tuple[int, int]] = []  # (primary block, swap block)
-        self._pending_swap_in: list[tuple[int, int]] = []  # (swap block, primary block)
+        # This step's swaps, by request, so a request that leaves within the step withdraws its
+        # own: swap-outs (primary block, swap block), swap-ins (swap block, primary block). The
+        # swap blocks of a swap-in stay reserved until the step's moves are taken: a swap-out
+        # later in the same step must not reuse them before the swap-in has read them.
+        self._pending_swap_out: dict[str, list[tuple[int, int]]] = {}
+        self._pending_swap_in: dict[str, tuple[list[KVBlock], list[tuple[int, int]]]] = {}
         self.num_swap_outs = 0
         # Running totals for the scheduler's DEBUG step line (an integer add each).
         self.num_allocated_total = 0  # primary blocks handed out new: fresh, copy-on-write, swap-in
@@ -171,7 +175,12 @@ class KVCacheManager:
         self._num_registered[request_id] = max(start, end)
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """Give ``child_id`` the same blocks as ``parent_id`` (shared, reference-counted)."""
+        """Give ``child_id`` the same blocks as ``parent_id`` (shared, reference-counted).
+
+        Between steps only: the parent's blocks must already hold their K/V (no copy or
+        swap-in of the parent is pending), or the child could lose them with the parent.
+        """
+        assert parent_id not in self._pending_copies and parent_id not in self._pending_swap_in
         if child_id in self.req_to_blocks and self.req_to_blocks[child_id]:
             raise ValueError(f"request {child_id!r} already has blocks")
         parent = self.req_to_blocks.get(parent_id, [])
@@ -184,6 +193,10 @@ class KVCacheManager:
         """Release a request's blocks (and swapped copies); its tail goes into the free queue first."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self._pending_copies.pop(request_id, None)  # nothing will read the copies' destinations
+        self._pending_swap_out.pop(request_id, None)
+        swapping_in = self._pending_swap_in.pop(request_id, None)
+        if swapping_in is not None and self.swap_pool is not None:
+            self.swap_pool.free_blocks(swapping_in[0])
         self.req_to_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         free_before = self.block_pool.num_free_blocks
@@ -206,6 +219,15 @@ class KVCacheManager:
 
     def swap_out(self, request_id: str) -> bool:
         """Move a request's blocks to the swap pool (copied before the next forward)."""
+        swapping_in = self._pending_swap_in.pop(request_id, None)
+        if swapping_in is not None:  # swapped in earlier in this same step: just undo that
+            saving = self._pending_swap_out.get(request_id)  # a swap-out still filling its swap blocks
+            self.free(request_id)  # its primary blocks hold nothing yet
+            if saving is not None:
+                self._pending_swap_out[request_id] = saving
+            self.req_to_swapped[request_id] = swapping_in[0]
+            self.num_swap_outs += 1
+            return True
         blocks = self.req_to_blocks.get(request_id, [])
         if self.swap_pool is None or not blocks or len(blocks) > self.swap_pool.num_free_blocks:
             return False
@@ -213,8 +235,9 @@ class KVCacheManager:
         # A block whose copy-on-write copy is still pending holds nothing yet: save the copy's
         # source instead (swap-outs run before copies, while the source is intact).
         copied_from = {d: s for s, d in self._pending_copies.get(request_id, ())}
-        self._pending_swap_out += [(copied_from.get(b.block_id, b.block_id), d.block_id) for b, d in zip(blocks, dst)]
+        pairs = [(copied_from.get(b.block_id, b.block_id), d.block_id) for b, d in zip(blocks, dst)]
         self.free(request_id)
+        self._pending_swap_out[request_id] = pairs
         self.req_to_swapped[request_id] = dst
         self.num_swap_outs += 1
         if logger.isEnabledFor(logging.DEBUG):
@@ -227,9 +250,6 @@ class KVCacheManager:
             )
         return True
 
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self.req_to_swapped
-
     def swap_in(self, request_id: str, num_tokens_after: int) -> bool:
         """Bring a swapped request back, with room for ``num_tokens_after`` tokens in all."""
         swapped = self.req_to_swapped[request_id]
@@ -237,9 +257,7 @@ class KVCacheManager:
         if needed > self.block_pool.num_free_blocks:
             return False
         new = self.block_pool.get_new_blocks(len(swapped))
-        self._pending_swap_in += [(s.block_id, b.block_id) for s, b in zip(swapped, new)]
-        assert self.swap_pool is not None
-        self.swap_pool.free_blocks(swapped)
+        self._pending_swap_in[request_id] = (swapped, [(s.block_id, b.block_id) for s, b in zip(swapped, new)])
         del self.req_to_swapped[request_id]
         self.req_to_blocks[request_id] = new
         self.num_allocated_total += len(new)
@@ -255,9 +273,14 @@ class KVCacheManager:
         return True
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(swap-out, swap-in) block pairs; the runner applies swap-outs first."""
-        out, inn = self._pending_swap_out, self._pending_swap_in
-        self._pending_swap_out, self._pending_swap_in = [], []
+        """(swap-out, swap-in) block pairs; the runner applies swap-outs first. The swap blocks
+        read by this step's swap-ins are free again from here on."""
+        out = [pair for pairs in self._pending_swap_out.values() for pair in pairs]
+        inn = [pair for _, pairs in self._pending_swap_in.values() for pair in pairs]
+        for swapped, _ in self._pending_swap_in.values():
+            assert self.swap_pool is not None
+            self.swap_pool.free_blocks(swapped)
+        self._pending_swap_out, self._pending_swap_in = {}, {}
         return out, inn
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -285,4 +308,5 @@ class KVCacheManager:
         if self.swap_pool is not None:
             self.swap_pool.check_integrity()
             swapped = sum(len(v) for v in self.req_to_swapped.values())
+            swapped += sum(len(blocks) for blocks, _ in self._pending_swap_in.values())
             assert self.swap_pool.num_used_blocks == swapped

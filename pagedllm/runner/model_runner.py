@@ -2,7 +2,9 @@
 
 The runner owns everything device-side: the weights, the KV-cache tensors (one key and one
 value pool per layer, [num_blocks, block_size, num_kv_heads, head_dim]), the attention
-backend and the sampler. The scheduler only ever sees block ids.
+backend and the sampler. It reads only the step's plain data (``scheduler/output.py``) and
+keeps its own state per request: token ids (extended with what it samples), sampling
+params, seeded generator. The scheduler only ever sees block ids.
 """
 
 from __future__ import annotations
@@ -15,19 +17,33 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.engine.request import Request
-from pagedllm.sampler.sampler import RowLogprobs, Sampler, SamplingBatch, gather_logprobs
-from pagedllm.scheduler.output import SchedulerOutput
+from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 @dataclass
-class ModelRunnerOutput:
-    """Per scheduled request (in SchedulerOutput order): tokens drawn - none mid-prompt, else
-    one for the request then one per pending fork - and their log-probabilities."""
+class CachedRequestState:
+    """What the runner knows about a running request, kept across steps."""
 
-    sampled: list[list[int]]
-    logprobs: list[list[RowLogprobs | None]]
-    prompt_logprobs: dict[str, list[RowLogprobs]] = field(default_factory=dict)
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    bad_words_token_ids: list[list[int]]
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> "CachedRequestState":
+        state = cls(new.req_id, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
+                    new.eos_token_ids, new.bad_words_token_ids)  # fmt: skip
+        state.token_ids = list(new.prompt_token_ids) + state.output_token_ids
+        return state
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -67,21 +83,32 @@ class ModelRunner:
         # Host staging buffer for block tables, allocated once.
         self._block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
         self.sampler = Sampler(seed, self.device)
+        self.requests: dict[str, CachedRequestState] = {}
+        # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
 
-    def free_request(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply the step's diff: forget ended and preempted requests, learn new ones, move blocks."""
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self._generators.pop(req_id, None)
+        for req_id in out.preempted_ids:
+            self.requests.pop(req_id, None)
+        for s in out.scheduled:
+            if s.new is not None:
+                self.requests[s.req_id] = CachedRequestState.from_new(s.new)
+        self.move_blocks(out)
 
-    def _generator(self, req: Request) -> torch.Generator | None:
-        """A seeded sequence's own generator; sample i of a request gets a seed derived from i."""
+    def _generator(self, req: CachedRequestState) -> torch.Generator | None:
+        """A seeded request's own generator, so its draws do not depend on the batch."""
         seed = req.sampling_params.seed
         if seed is None:
             return None
-        g = self._generators.get(req.request_id)
+        g = self._generators.get(req.req_id)
         if g is None:
             g = torch.Generator(device=self.device)
-            g.manual_seed(seed if req.index == 0 else hash((seed, req.index)) & (2**63 - 1))
-            self._generators[req.request_id] = g
+            g.manual_seed(seed)
+            self._generators[req.req_id] = g
         return g
 
     def _allocate_swap(
@@ -122,7 +149,7 @@ class ModelRunner:
             v.index_copy_(0, dst, v[src])
 
     def move_blocks(self, out: SchedulerOutput) -> None:
-        """Apply the step's block moves; call before ``execute``.
+        """Apply the step's block moves (``update_states`` does, before ``execute``).
 
         Order matters: save swapped-out blocks before anyone reuses them; copy-on-write
         copies read their sources before a swap-in may reuse a block freed this step;
@@ -132,14 +159,16 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         self._swap(out.swap_in, to_swap=False)
 
-    def execute(self, out: SchedulerOutput) -> "ModelRunnerOutput":
-        """Run one step's forward and sampling over ``out.scheduled`` (blocks already moved).
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step's forward and sampling over ``out.scheduled`` (after ``update_states``).
 
-        It only writes the K/V of the scheduled tokens into their own slots, so running it
-        again, or over a subset of the requests, is safe: the engine does that to find which
-        request a failing step belongs to.
+        It only writes the K/V of the scheduled tokens into their own slots and changes its
+        request state only once everything succeeded, so running it again, or over a subset
+        of the requests, is safe: the engine does that to find which request a failing step
+        belongs to.
         """
         sched = out.scheduled
+        states = [self.requests[s.req_id] for s in sched]
         # Decode rows (one query token) first: the backend batches them in one call.
         order = sorted(range(len(sched)), key=lambda i: sched[i].num_new_tokens != 1)
         bs = self.block_size
@@ -155,7 +184,7 @@ class ModelRunner:
             s = sched[i]
             ids = s.block_ids[:max_blocks]
             tables[row, : len(ids)] = ids
-            tokens.extend(s.request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+            tokens.extend(states[i].token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
@@ -181,30 +210,24 @@ class ModelRunner:
             meta,
         )
 
-        result = ModelRunnerOutput(sampled=[[] for _ in sched], logprobs=[[] for _ in sched])
-        self._prompt_logprobs(sched, order, query_start_loc, hidden, result)
-        # One sampling row per sequence due a token: the request, then its pending forks
-        # (parallel samples drawing from the same logits row).
-        row_hidden: list[int] = []
-        row_reqs: list[Request] = []
-        row_owner: list[int] = []
-        for row, i in enumerate(order):
-            s = sched[i]
-            if s.samples:
-                for target in (s.request, *s.request.pending_forks):
-                    row_hidden.append(int(query_start_loc[row + 1]) - 1)
-                    row_reqs.append(target)
-                    row_owner.append(i)
-        if not row_reqs:
+        result = ModelRunnerOutput(req_ids=[s.req_id for s in sched], sampled=[[] for _ in sched], logprobs=[[] for _ in sched])
+        self._prompt_logprobs(sched, states, order, query_start_loc, hidden, result)
+        # One sampling row per request due a token: its chunk's last position.
+        rows = [(row, i) for row, i in enumerate(order) if sched[i].samples]
+        if not rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(row_hidden, device=dev)])
-        out = self.sampler(logits, self._sampling_batch(row_reqs))
-        for i, tok, lp in zip(row_owner, out.token_ids, out.logprobs):
+        row_hidden = torch.tensor([int(query_start_loc[row + 1]) - 1 for row, _ in rows], device=dev)
+        logits = self.model.compute_logits(hidden[row_hidden])
+        sampled = self.sampler(logits, self._sampling_batch([states[i] for _, i in rows]))
+        for (_, i), tok, lp in zip(rows, sampled.token_ids, sampled.logprobs):
             result.sampled[i].append(int(tok))
             result.logprobs[i].append(lp)
+        for state, tokens in zip(states, result.sampled):  # all went well: remember the draws
+            for tok in tokens:
+                state.append(tok)
         return result
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+    def _sampling_batch(self, reqs: list[CachedRequestState]) -> SamplingBatch:
         params = [r.sampling_params for r in reqs]
         batch = SamplingBatch(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
@@ -234,7 +257,7 @@ class ModelRunner:
                 batch.banned.append((row, banned))
         return batch
 
-    def _banned_tokens(self, r: Request) -> list[int]:
+    def _banned_tokens(self, r: CachedRequestState) -> list[int]:
         """EOS and stop ids before min_tokens; the last token of any bad word whose prefix just appeared."""
         p = r.sampling_params
         banned: list[int] = []
@@ -244,25 +267,27 @@ class ModelRunner:
                 banned.extend(r.eos_token_ids)
         for word_ids in r.bad_words_token_ids:
             prefix = word_ids[:-1]
-            if not prefix or r.all_token_ids[-len(prefix) :] == prefix:
+            if not prefix or r.token_ids[-len(prefix) :] == prefix:
                 banned.append(word_ids[-1])
         return banned
 
-    def _prompt_logprobs(self, sched, order, query_start_loc, hidden, result: "ModelRunnerOutput") -> None:
-        """Log-probabilities of prompt tokens 1..n-1 from this step's chunk, where asked for."""
+    def _prompt_logprobs(self, sched, states, order, query_start_loc, hidden, result: ModelRunnerOutput) -> None:
+        """Log-probabilities of the prompt tokens this step's chunk predicts, where asked for.
+
+        Keyed by request: (first prompt position predicted, entries). A recomputed chunk after
+        a preemption reports its positions again; the engine keeps each position once.
+        """
         for row, i in enumerate(order):
-            s = sched[i]
-            req = s.request
+            s, req = sched[i], states[i]
             k = req.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            # Position p predicts prompt token p + 1; skip what an earlier pass recorded.
-            first = max(s.num_computed_tokens, len(req.prompt_logprobs))
-            last = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+            # Position p predicts prompt token p + 1.
+            first = s.num_computed_tokens
+            last = min(s.num_computed_tokens + s.num_new_tokens, len(req.prompt_token_ids) - 1)
             if first >= last:
                 continue
             base = int(query_start_loc[row]) - s.num_computed_tokens
             logprobs = self.model.compute_logits(hidden[base + first : base + last]).log_softmax(dim=-1)
             targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logprobs.device)
-            entries = gather_logprobs(logprobs, targets, [k] * (last - first))
-            result.prompt_logprobs.setdefault(req.request_id, []).extend(entries)
+            result.prompt_logprobs[req.req_id] = (first, gather_logprobs(logprobs, targets, [k] * (last - first)))

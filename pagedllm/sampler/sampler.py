@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.outputs import RowLogprobs
+
 
 @dataclass
 class SamplingBatch:
@@ -41,16 +43,6 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperatures == 0).all())
-
-
-@dataclass
-class RowLogprobs:
-    """Raw log-probabilities for one sampled row."""
-
-    token_logprob: float
-    token_rank: int  # 1-based rank of the sampled token in the raw distribution
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass

@@ -1,31 +1,50 @@
-"""What the scheduler decided for one step: the contract between scheduler and model runner."""
+"""What the scheduler decided for one step: the contract between scheduler and model runner.
+
+Plain data only - ids, token ids, block ids, counts, sampling params - so a runner can live
+in another process (tensor parallel) and never reads the scheduler's ``Request`` objects.
+The runner keeps its own state per request, built from ``NewRequestData`` the first time it
+sees one, extended with the tokens it samples, and dropped when the id shows up in
+``finished_req_ids``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.engine.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen, or must relearn (resumed after a preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated before a preemption; [] for a new request
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    bad_words_token_ids: list[list[int]]
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """Run tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of ``request``."""
+    """Run tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of ``req_id``."""
 
-    request: Request
+    req_id: str
     num_new_tokens: int
     num_computed_tokens: int
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new token is due."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    samples: bool  # the chunk reaches the end of the known tokens, so a new token is due
+    new: NewRequestData | None = None  # set when the runner must (re)learn the request
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests that ended or were preempted since the previous step: the runner forgets them
+    # (before it learns this step's new requests, so a resumed request starts afresh).
+    finished_req_ids: set[str] = field(default_factory=set)
     # Copy-on-write block copies (src, dst) to apply before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Swap preemption: (primary, swap) block copies to save, then (swap, primary) to restore.
@@ -43,3 +62,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request (in ``SchedulerOutput.scheduled`` order): the tokens drawn (none
+    mid-prompt, else one) and their log-probabilities; prompt log-probabilities by request."""
+
+    req_ids: list[str]
+    sampled: list[list[int]]
+    logprobs: list[list]  # per request: a RowLogprobs (or None) per drawn token
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)  # (first position, entries)

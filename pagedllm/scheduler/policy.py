@@ -12,7 +12,7 @@ import bisect
 from collections import deque
 from typing import Iterator
 
-from pagedllm.engine.request import Request
+from pagedllm.request import Request
 
 POLICIES = ("fcfs", "priority")
 
@@ -59,9 +59,6 @@ class WaitingQueue:
 
     def __contains__(self, req: object) -> bool:
         return req in self._items
-
-    def __getitem__(self, i: int) -> Request:
-        return self._items[i]
 
 
 def pick_victim(running: list[Request], policy: str) -> Request:

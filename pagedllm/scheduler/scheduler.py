@@ -24,9 +24,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.request import Request, RequestStatus
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager, abbrev
-from pagedllm.scheduler.output import ScheduledRequest, SchedulerOutput
+from pagedllm.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedllm.scheduler.policy import WaitingQueue, outranks, pick_victim
 
 logger = logging.getLogger("pagedllm.scheduler")
@@ -51,6 +51,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.num_steps = 0  # schedule() calls; numbers the DEBUG step lines
+        self._finished_ids: set[str] = set()  # ended or preempted since the last step
         # KV counters (allocated, freed, cached hits) when the last step line was logged, and its step.
         self._log_marks: tuple[int, int, int] = (0, 0, 0)
         self._log_marks_step = -1
@@ -64,32 +65,19 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
-        # Parallel samples share the prompt's blocks; each needs its own tail (+1 for a
-        # copied partial block).
-        n = request.num_samples_due
         needed = self.kv.num_blocks_for(total)
-        if n > 1:
-            needed = max(needed, self.kv.num_blocks_for(request.num_prompt_tokens) + n * (self.kv.num_blocks_for(request.max_tokens) + 1))
         if needed > self.kv.num_blocks:
             raise ValueError(
-                f"request needs {needed} KV blocks for {total} tokens"
-                + (f" x {n} samples" if n > 1 else "")
-                + f" but the pool holds only {self.kv.num_blocks}; raise kv_cache_space/num_kv_blocks or lower max_tokens"
+                f"request needs {needed} KV blocks for {total} tokens but the pool holds only "
+                f"{self.kv.num_blocks}; raise kv_cache_space/num_kv_blocks or lower max_tokens"
             )
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; its ``pending_forks`` (parallel samples) are registered with it."""
+        """Queue a request (ValueError, changing nothing, if it could never run)."""
         self.check_request(request)
-        ids = [request.request_id] + [f.request_id for f in request.pending_forks]
-        for rid in ids:
-            if rid in self.requests:
-                raise ValueError(f"request_id {rid!r} is already in use")
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        for fork in request.pending_forks:
-            fork.fork_parent = request
-            self.requests[fork.request_id] = fork
         self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -132,7 +120,7 @@ class Scheduler:
         # 2. Waiting requests; under fcfs not in a step that had to preempt for blocks.
         while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs"):
             req = self.waiting.peek()
-            if self._num_running_seqs() + req.num_samples_due > self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs:
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break
@@ -172,12 +160,13 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._scheduled(req, n))
+            out.scheduled.append(self._scheduled(req, n, new=True))
             budget -= n
 
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.block_copies = self.kv.take_pending_copies()
         out.swap_out, out.swap_in = self.kv.take_pending_swaps()
-        assert self._num_running_seqs() <= self.config.max_num_seqs
+        assert len(self.running) <= self.config.max_num_seqs
         assert budget == self.config.max_num_batched_tokens - out.num_scheduled_tokens >= 0
         if debug:
             self._log_step(out, marks)
@@ -193,7 +182,7 @@ class Scheduler:
         allocated, freed, hits = (a - b for a, b in zip(now_marks, marks))
         self._log_marks, self._log_marks_step = now_marks, self.num_steps
         num_decode = sum(
-            1 for s in out.scheduled if s.num_new_tokens == 1 and s.num_computed_tokens >= s.request.num_prompt_tokens
+            1 for s in out.scheduled if s.num_new_tokens == 1 and s.num_computed_tokens >= self.requests[s.req_id].num_prompt_tokens
         )
         logger.debug(
             "step %d: scheduled=%d (prefill=%d decode=%d) tokens=%d reqs=%s waiting=%d running=%d preempted=%s "
@@ -203,7 +192,7 @@ class Scheduler:
             len(out.scheduled) - num_decode,
             num_decode,
             out.num_scheduled_tokens,
-            abbrev(f"{s.request.request_id}:{s.num_new_tokens}" for s in out.scheduled),
+            abbrev(f"{s.req_id}:{s.num_new_tokens}" for s in out.scheduled),
             len(self.waiting),
             len(self.running),
             abbrev(out.preempted_ids),
@@ -217,10 +206,6 @@ class Scheduler:
             len(out.swap_in),
         )
 
-    def _num_running_seqs(self) -> int:
-        """Sequences running now or once their parallel samples fork (n > 1)."""
-        return sum(r.num_samples_due for r in self.running)
-
     def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
         """Priority policy: preempt the lowest-priority running request if ``req`` outranks it.
 
@@ -233,15 +218,28 @@ class Scheduler:
             return None
         return self._preempt(victim, out)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, n, req.num_computed_tokens, self.kv.get_block_ids(req.request_id))
+    def _scheduled(self, req: Request, n: int, new: bool = False) -> ScheduledRequest:
+        """The step's plain-data entry for ``req``; ``new`` when it was just admitted (fresh or
+        resumed), so the runner gets everything it needs to know about it."""
+        data = None
+        if new:
+            data = NewRequestData(
+                req_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                eos_token_ids=req.eos_token_ids,
+                bad_words_token_ids=req.bad_words_token_ids,
+            )
+        samples = req.num_computed_tokens + n == req.num_tokens
+        return ScheduledRequest(req.request_id, n, req.num_computed_tokens, self.kv.get_block_ids(req.request_id), samples, data)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Free a running request's blocks and requeue it; returns the budget it gave back."""
         self.running.remove(req)
         refund = 0
         for k, s in enumerate(out.scheduled):
-            if s.request is req:  # already scheduled this step: withdraw it
+            if s.req_id == req.request_id:  # already scheduled this step: withdraw it
                 refund = s.num_new_tokens
                 del out.scheduled[k]
                 break
@@ -253,6 +251,7 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
+        self._finished_ids.add(req.request_id)  # the runner relearns it when it is resumed
         self.waiting.add_preempted(req)
         out.preempted_ids.append(req.request_id)
         return refund
@@ -261,34 +260,23 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.
 
-        ``sampled[i]`` holds the tokens drawn for ``out.scheduled[i]``: none mid-prompt, else
-        one for the request followed by one for each of its pending forks, which now take
-        the request's blocks by reference and join the running queue.
+        ``sampled[i]`` holds the tokens drawn for ``out.scheduled[i]``: none mid-prompt, else one.
         """
         finished: list[Request] = []
         now = time.monotonic()
-        for sched, tokens in zip(out.scheduled, sampled):
-            req = sched.request
+        for sched, tokens in zip(out.scheduled, sampled, strict=True):
+            req = self.requests[sched.req_id]
             req.num_computed_tokens += sched.num_new_tokens
             self.kv.cache_blocks(req.request_id, req.num_computed_tokens, req.all_token_ids)
-            if not tokens:
-                continue
-            forks, req.pending_forks = req.pending_forks, []
-            for fork in forks:
-                self.kv.fork(req.request_id, fork.request_id)
-                fork.num_computed_tokens = req.num_computed_tokens
-                fork.status = RequestStatus.RUNNING
-                fork.first_scheduled_time = req.first_scheduled_time
-                fork.fork_parent = None
-                self.running.append(fork)
-            for target, token in zip([req, *forks], tokens):
-                target.append_output_token(token)
-                if target.first_token_time is None:
-                    target.first_token_time = now
-                status = target.check_stop()
+            for token in tokens:
+                req.append_output_token(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = req.check_stop()
                 if status is not None:
-                    self.finish(target, status)
-                    finished.append(target)
+                    self.finish(req, status)
+                    finished.append(req)
+                    break
         return finished
 
     def abort(self, request_id: str) -> Request | None:
@@ -308,17 +296,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        elif req.fork_parent is not None:  # a parallel sample not yet forked
-            req.fork_parent.pending_forks.remove(req)
-            req.fork_parent = None
-        for fork in list(req.pending_forks):
-            # Sample 0 ends before its prompt is done: its forks start on their own.
-            fork.fork_parent = None
-            self.waiting.add(fork)
-        req.pending_forks = []
         req.status = status
         if stop_reason is not None:
             req.stop_reason = stop_reason
         req.finished_time = time.monotonic()
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
+        self._finished_ids.add(req.request_id)

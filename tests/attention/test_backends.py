@@ -155,7 +155,7 @@ def test_native_reads_a_bf16_cache_and_computes_in_fp32(block_size, head_dim):
     out = get_attention_backend("cpu_native", torch.bfloat16).forward(q, k, v, kc, vc, meta, scale)
     exact = dense_attention(q, dense, meta, 9)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(ops.paged_attention(q, kc, vc, meta, scale), exact, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale), exact, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-7)  # one bf16 rounding
 
 

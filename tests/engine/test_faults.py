@@ -97,6 +97,7 @@ def test_async_engine_death_fails_pending_and_new_requests(tiny_llama, monkeypat
 
     try:
         asyncio.run(scenario())
+        llm._thread.join(timeout=10)  # the engine thread ends once it has told everyone
         assert len(deaths) == 1 and isinstance(llm.dead, EngineDeadError)
         assert "InjectedFault" in str(llm.dead)
     finally:

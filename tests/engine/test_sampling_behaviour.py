@@ -99,10 +99,16 @@ def test_out_of_vocabulary_ids_in_params_are_rejected(llm):
             llm.generate("Hi", SamplingParams(**kw), use_tqdm=False)
 
 
-def test_n_samples_share_prompt_blocks(llm):
+@pytest.mark.parametrize("prompt_len, expected_peak", [(161, 10 + 4 * 1), (160, 9 + 4 * 2)])
+def test_n_samples_share_prompt_blocks(llm, prompt_len, expected_peak):
+    """Samples 1..3 start once sample 0 computed the prompt and adopt its full blocks from
+    the prefix cache, except the block holding the last prompt token (recomputed for its
+    logits). 161 tokens: 10 shared blocks + 1 own block per sample; 160 tokens: 9 shared +
+    2 own per sample - never 4 x 11."""
     engine = llm.llm_engine
     kv = engine.kv_cache_manager
-    prompt = {"prompt_token_ids": list(range(1000, 1000 + 160))}  # exactly 10 blocks of 16
+    llm.reset_prefix_cache()
+    prompt = {"prompt_token_ids": list(range(1000, 1000 + prompt_len))}
     engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True), "par")
     peak = 0
     outputs = []
@@ -110,8 +116,7 @@ def test_n_samples_share_prompt_blocks(llm):
         outputs += engine.step()
         peak = max(peak, kv.block_pool.num_used_blocks)
         kv.check_integrity()
-    # 10 shared prompt blocks + one tail block per sample, not 4 x 11.
-    assert peak == 10 + 4, peak
+    assert peak == expected_peak, peak
     (out,) = outputs
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 8 for c in out.outputs)

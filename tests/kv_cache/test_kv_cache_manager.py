@@ -414,3 +414,160 @@ def test_preempted_request_withdraws_its_pending_copy_in_recompute_mode():
     assert copies == []
     assert len({d for _, d in copies}) == len(copies)
     kv.check_integrity()
+
+
+# --------------------------------------------------------------------------- steps, simulated on contents
+CONTENT_REQS = ["p", "q", "r"]
+
+
+class KVContentMachine(RuleBasedStateMachine):
+    """Whole steps against the KV manager, with the runner simulated on block contents.
+
+    Within a step requests are allocated slots (new ones adopt prefix-cache hits), forked
+    (parallel samples / beams sharing blocks), and preempted - by swap or by recompute - even
+    after they were allocated in the same step, as the priority policy does. ``run_step`` then
+    applies the step's block moves in the runner's order (swap-outs, copies, swap-ins) and
+    writes each scheduled token's K/V, which here is the token prefix it encodes. After every
+    step each running request must read, through its block table, exactly its own K/V.
+    """
+
+    @initialize(caching=st.booleans())
+    def setup(self, caching):
+        self.bs = 2
+        self.kv = KVCacheManager(num_blocks=10, block_size=self.bs, enable_caching=caching, num_swap_blocks=8)
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}  # running requests: positions with K/V in the pool
+        self.swapped: dict[str, int] = {}  # swapped-out requests: positions saved in the swap pool
+        self.writes: dict[str, tuple[int, int]] = {}  # this step's [start, end) per request
+        self.resumed: set[str] = set()  # swapped in this step (their K/V arrives with the step)
+        self.content: dict[int, tuple] = {}  # pool slot -> K/V (the prefix it encodes)
+        self.swap_content: dict[int, tuple] = {}
+
+    def _kv(self, rid: str, pos: int) -> tuple:
+        return tuple(self.tokens[rid][: pos + 1])
+
+    def _ready(self) -> list[str]:
+        """Running requests whose every token has K/V and that are untouched this step."""
+        return sorted(r for r in self.computed
+                      if r not in self.writes and r not in self.resumed and self.computed[r] == len(self.tokens[r]))  # fmt: skip
+
+    def _drop(self, rid: str) -> None:
+        self.kv.free(rid)
+        for d in (self.tokens, self.computed, self.swapped, self.writes):
+            d.pop(rid, None)
+        self.resumed.discard(rid)
+
+    @precondition(lambda self: len(self.tokens) < len(CONTENT_REQS))
+    @rule(data=st.data(), prompt=st.lists(st.integers(0, 1), min_size=1, max_size=5))
+    def admit(self, data, prompt):
+        """A new request: small alphabet, so prompts share prefixes and hit the cache."""
+        rid = data.draw(st.sampled_from([r for r in CONTENT_REQS if r not in self.tokens]), label="request")
+        hits = self.kv.get_computed_blocks(rid, prompt)
+        start = len(hits) * self.bs
+        if self.kv.allocate_slots(rid, start, len(prompt) - start, hits):
+            self.tokens[rid], self.computed[rid] = list(prompt), start
+            self.writes[rid] = (start, len(prompt))
+        else:
+            self.kv.free(rid)
+
+    @precondition(lambda self: self._ready())
+    @rule(data=st.data())
+    def decode(self, data):
+        rid = data.draw(st.sampled_from(self._ready()), label="request")
+        new = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=2), label="tokens")
+        start = len(self.tokens[rid])
+        if self.kv.allocate_slots(rid, start, len(new)):
+            self.tokens[rid] += new
+            self.writes[rid] = (start, start + len(new))
+
+    @precondition(lambda self: self._ready() and len(self.tokens) < len(CONTENT_REQS))
+    @rule(data=st.data())
+    def fork(self, data):
+        """Forks happen between steps (after the step that computed the parent's last token)."""
+        children = [r for r in CONTENT_REQS if r not in self.tokens]
+        parent = data.draw(st.sampled_from(self._ready()), label="parent")
+        child = data.draw(st.sampled_from(children), label="child")
+        self.kv.fork(parent, child)
+        self.tokens[child], self.computed[child] = list(self.tokens[parent]), self.computed[parent]
+
+    @precondition(lambda self: self.computed)
+    @rule(data=st.data(), swap=st.booleans())
+    def preempt(self, data, swap):
+        """Preempt a running request, possibly one allocated earlier in this very step."""
+        rid = data.draw(st.sampled_from(sorted(self.computed)), label="victim")
+        self.writes.pop(rid, None)  # withdrawn from the step
+        if swap and self.kv.swap_out(rid):
+            self.swapped[rid] = self.computed.pop(rid)
+        else:  # recompute: it starts over later; here it simply leaves
+            self._drop(rid)
+
+    @precondition(lambda self: self._ready())
+    @rule(data=st.data(), swap=st.booleans())
+    def decode_then_preempted(self, data, swap):
+        """The priority policy's pattern: a running request gets its slots for this step, then a
+        higher-priority arrival preempts it before the step runs."""
+        rid = data.draw(st.sampled_from(self._ready()), label="request")
+        start = len(self.tokens[rid])
+        if not self.kv.allocate_slots(rid, start, 1):
+            return
+        self.tokens[rid].append(0)
+        if swap and self.kv.swap_out(rid):
+            self.swapped[rid] = self.computed.pop(rid)
+        else:
+            self._drop(rid)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def resume(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.swapped)), label="request")
+        if self.kv.swap_in(rid, self.swapped[rid]):
+            self.computed[rid] = self.swapped.pop(rid)
+            self.resumed.add(rid)
+
+    @precondition(lambda self: any(r not in self.writes for r in self.computed))
+    @rule(data=st.data())
+    def finish(self, data):
+        self._drop(data.draw(st.sampled_from(sorted(r for r in self.computed if r not in self.writes)), label="request"))
+
+    def _slot(self, rid: str, pos: int) -> int:
+        return self.kv.get_block_ids(rid)[pos // self.bs] * self.bs + pos % self.bs
+
+    @rule()
+    def run_step(self):
+        copies = self.kv.take_pending_copies()
+        swap_out, swap_in = self.kv.take_pending_swaps()
+        assert len({d for _, d in copies}) == len(copies), f"two copies into one block: {copies}"
+        bs = self.bs
+        for src, dst in swap_out:
+            for o in range(bs):
+                self.swap_content[dst * bs + o] = self.content.get(src * bs + o)
+        snapshot = {src * bs + o: self.content.get(src * bs + o) for src, _ in copies for o in range(bs)}
+        for src, dst in copies:
+            for o in range(bs):
+                self.content[dst * bs + o] = snapshot[src * bs + o]
+        for src, dst in swap_in:
+            for o in range(bs):
+                self.content[dst * bs + o] = self.swap_content.get(src * bs + o)
+        for rid, (start, end) in self.writes.items():
+            for pos in range(start, end):
+                self.content[self._slot(rid, pos)] = self._kv(rid, pos)
+            self.computed[rid] = end
+            self.kv.cache_blocks(rid, end, self.tokens[rid])
+        self.writes, self.resumed = {}, set()
+        for rid, n in self.computed.items():
+            got = [self.content.get(self._slot(rid, pos)) for pos in range(n)]
+            assert got == [self._kv(rid, pos) for pos in range(n)], f"{rid} reads wrong K/V"
+
+    @invariant()
+    def pool_is_consistent(self):
+        if hasattr(self, "kv"):
+            self.kv.check_integrity()
+
+
+KVContentMachine.TestCase.settings = settings(
+    max_examples=600,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKVContentMachine = KVContentMachine.TestCase

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.request import Request, RequestStatus
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager, abbrev
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.output import SchedulerOutput
@@ -138,7 +138,7 @@ def test_step_line_counts_match_the_output_over_a_workload(caplog, logs):
         assert int(line["scheduled"]) == len(out.scheduled)
         assert int(line["prefill"]) + int(line["decode"]) == len(out.scheduled)
         assert int(line["tokens"]) == out.num_scheduled_tokens
-        assert line["reqs"] == ",".join(f"{s.request.request_id}:{s.num_new_tokens}" for s in out.scheduled)
+        assert line["reqs"] == ",".join(f"{s.req_id}:{s.num_new_tokens}" for s in out.scheduled)
         assert line["preempted"] == ",".join(out.preempted_ids)
         total_allocated += int(line["allocated"])
         total_freed += int(line["freed"])

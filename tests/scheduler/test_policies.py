@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.request import Request, RequestStatus
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -43,7 +43,7 @@ def test_decodes_get_a_token_every_step_while_a_long_prompt_prefills():
         before = [len(r.output_token_ids) for r in decoders]
         out, _ = step(sched)
         steps += 1
-        per_request = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+        per_request = {s.req_id: s.num_new_tokens for s in out.scheduled}
         assert all(per_request[r.request_id] == 1 for r in decoders)
         assert [len(r.output_token_ids) for r in decoders] == [b + 1 for b in before]
         assert per_request[long.request_id] <= 256 - 3
@@ -57,7 +57,7 @@ def test_long_prefill_threshold_lets_two_prompts_progress_together():
     sched.add_request(a)
     sched.add_request(b)
     out, _ = step(sched)
-    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(a, 200), (b, 200)]
+    assert [(s.req_id, s.num_new_tokens) for s in out.scheduled] == [(a.request_id, 200), (b.request_id, 200)]
 
 
 def test_prefix_hits_skip_computation_and_are_counted():
@@ -75,7 +75,7 @@ def test_prefix_hits_skip_computation_and_are_counted():
     b.all_token_ids[:] = b.prompt_token_ids
     sched.add_request(b)
     out, _ = step(sched)
-    sb = next(s for s in out.scheduled if s.request is b)
+    sb = next(s for s in out.scheduled if s.req_id == b.request_id)
     assert sb.num_computed_tokens == 320 and sb.num_new_tokens == 2
     assert b.num_cached_tokens == 320 and out.num_prefix_hits == 320
     assert out.num_uncacheable_tokens == 2

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.request import Request, RequestStatus
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.output import SchedulerOutput
@@ -57,14 +57,19 @@ def fake_token(req: Request) -> int:
 def check_step(sched: Scheduler, out: SchedulerOutput, computed_before: dict[str, int]) -> None:
     """Invariants of one schedule() result, checked before the outputs are applied."""
     cfg, kv = sched.config, sched.kv
-    ids = [s.request.request_id for s in out.scheduled]
+    ids = [s.req_id for s in out.scheduled]
     assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
     assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
     # Running requests (oldest first) come first, newly admitted ones after them.
-    assert [s.request for s in out.scheduled] == sched.running[: len(out.scheduled)]
+    assert [s.req_id for s in out.scheduled] == [r.request_id for r in sched.running[: len(out.scheduled)]]
     for s in out.scheduled:
-        req = s.request
+        req = sched.requests[s.req_id]
+        assert s.samples == (s.num_computed_tokens + s.num_new_tokens == req.num_tokens)
+        # Plain data: a request is described in full exactly when it was just admitted.
+        assert (s.new is not None) == (computed_before.get(req.request_id) is None)
+        if s.new is not None:
+            assert s.new.prompt_token_ids == req.prompt_token_ids and s.new.output_token_ids == req.output_token_ids
         assert req.status is RequestStatus.RUNNING
         assert s.num_new_tokens > 0
         assert s.num_computed_tokens == computed_before.get(req.request_id, req.num_computed_tokens)
@@ -83,8 +88,7 @@ def step(sched: Scheduler, token_fn=fake_token) -> tuple[SchedulerOutput, list[R
     computed_before = {r.request_id: r.num_computed_tokens for r in sched.running}
     out = sched.schedule()
     check_step(sched, out, computed_before)
-    # ``samples`` reads the live request, so it must be evaluated before the update.
-    sampled = [token_fn(s.request) if s.samples else None for s in out.scheduled]
+    sampled = [token_fn(sched.requests[s.req_id]) if s.samples else None for s in out.scheduled]
     out.sampled = sampled  # kept for the tests' inspection
     finished = sched.update_from_output(out, [[] if t is None else [t] for t in sampled])
     for req in finished:
@@ -118,7 +122,7 @@ def expected_outputs(req: Request, n: int, token_fn=fake_token) -> list[int]:
 
 
 def scheduled_ids(out: SchedulerOutput) -> list[str]:
-    return [s.request.request_id for s in out.scheduled]
+    return [s.req_id for s in out.scheduled]
 
 
 # --------------------------------------------------------------------------- max_num_seqs
@@ -157,7 +161,7 @@ def test_token_budget_chunks_long_prompt_and_decodes_go_first():
     a = make_request("a", 3, 20)
     sched.add_request(a)
     out, _ = step(sched)
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 3)]
+    assert [(s.req_id, s.num_new_tokens) for s in out.scheduled] == [("a", 3)]
     assert len(a.output_token_ids) == 1
 
     b = make_request("b", 20, 2)
@@ -168,10 +172,10 @@ def test_token_budget_chunks_long_prompt_and_decodes_go_first():
         assert out.num_scheduled_tokens <= 8
         # The running request's decode token comes first, every step.
         first = out.scheduled[0]
-        assert (first.request.request_id, first.num_new_tokens) == ("a", 1)
+        assert (first.req_id, first.num_new_tokens) == ("a", 1)
         assert out.sampled[0] is not None
         sb = out.scheduled[1]
-        assert sb.request is b
+        assert sb.req_id == b.request_id
         chunks.append((sb.num_computed_tokens, sb.num_new_tokens, len(sb.block_ids), out.sampled[1] is not None))
     # 20 prompt tokens over budgets of 8 - 1 = 7: chunks of 7, 7, 6; only the last samples.
     assert chunks == [(0, 7, 2, False), (7, 7, 4, False), (14, 6, 5, True)]
@@ -180,7 +184,7 @@ def test_token_budget_chunks_long_prompt_and_decodes_go_first():
     assert len(a.output_token_ids) == 4  # one decode per step, never skipped
 
     out, _ = step(sched)
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
+    assert [(s.req_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
     run_to_completion(sched)
     assert len(a.output_token_ids) == 20 and len(b.output_token_ids) == 2
     assert b.output_token_ids == expected_outputs(b, 2)
@@ -210,13 +214,13 @@ def test_budget_limits_admission():
         sched.add_request(make_request(rid, n, 4))
     out, _ = step(sched)
     # a takes 6, b gets the remaining 4 as a first chunk, c waits (no budget left).
-    assert [(s.request.request_id, s.num_new_tokens, t is not None) for s, t in zip(out.scheduled, out.sampled)] == [
+    assert [(s.req_id, s.num_new_tokens, t is not None) for s, t in zip(out.scheduled, out.sampled)] == [
         ("a", 6, True),
         ("b", 4, False),
     ]
     assert [r.request_id for r in sched.waiting] == ["c"]
     out, _ = step(sched)
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 2), ("c", 6)]
+    assert [(s.req_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 2), ("c", 6)]
     assert out.num_scheduled_tokens == 9
     run_to_completion(sched)
 
@@ -341,7 +345,7 @@ def test_preemption_of_most_recent_request_and_recompute():
     while sched.has_unfinished_requests():
         out, _ = step(sched)
         for s, t in zip(out.scheduled, out.sampled):
-            if s.request is b and recompute is None:
+            if s.req_id == b.request_id and recompute is None:
                 recompute = (s.num_computed_tokens, s.num_new_tokens, t is not None)
     assert recompute == (0, 9, True)
     for r, n in ((a, 8), (b, 8), (c, 2)):

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedllm
+from pagedllm.version import __version__
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -150,7 +150,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     served_model_name, model_root = config.served_model_name, config.model_root
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    app = FastAPI(title="pagedllm", version=__version__)
     serving = OpenAIServing(llm, served_model_name, config.trust_request_chat_template)
     metrics = ServerMetrics(llm, served_model_name)
     app.state.llm = llm
@@ -217,7 +217,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pagedllm.__version__}
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models() -> dict:

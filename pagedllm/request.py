@@ -1,4 +1,4 @@
-"""A request's state as it moves through the engine."""
+"""A request's state as the engine and the scheduler see it (the runner gets plain data instead)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.sampler.sampler import RowLogprobs
+from pagedllm.outputs import RowLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -45,13 +45,10 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first under the "priority" policy
-    # Parallel sampling (n > 1): each sample is a Request; ``index`` is its place in the
-    # parent's outputs. Samples 1..n-1 wait in sample 0's ``pending_forks`` until its prompt
-    # is computed, then take its blocks by reference (no recompute of the prompt).
+    # Parallel sampling (n > 1) fans out into n requests of one parent (engine/parallel_sampling.py);
+    # ``index`` is the sample's place in the parent's outputs.
     parent_id: str | None = None
     index: int = 0
-    pending_forks: list["Request"] = field(default_factory=list)
-    fork_parent: "Request | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -106,11 +103,6 @@ class Request:
         if len(self.output_token_ids) >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    @property
-    def num_samples_due(self) -> int:
-        """Tokens to draw when this request's known tokens are all computed: itself + forks."""
-        return 1 + len(self.pending_forks)
 
     @property
     def finish_reason(self) -> str | None:
