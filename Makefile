@@ -26,7 +26,7 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q -ra
 
-# The fast unit tests only (no real model, no transformers oracle).
+# Everything but the tests marked slow (the real default model against the transformers oracle).
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
 

@@ -70,7 +70,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs to start; ``None`` means "derive it" (see ``resolve``)."""
+    """Everything the engine needs to start. ``None`` means "derive it when the engine starts"
+    (``max_model_len`` from the model, the number of KV blocks from ``kv_cache_space``: see
+    ``engine/startup.py``); ``dtype="auto"`` resolves per ``resolve_dtype``."""
 
     model: str | None = None
     dtype: str = DEFAULT_DTYPE

@@ -54,6 +54,9 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # The backend's attention is exactly what the native one-call decoder stack computes, so
+    # the stack may stand in for it (model/fused_stack.py holds the whole rule).
+    fused_decoder_stack: bool = False
 
     @staticmethod
     def write_kv(

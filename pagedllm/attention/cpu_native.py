@@ -14,6 +14,7 @@ from pagedllm.kernels import ops
 
 class NativeCPUAttention(AttentionBackend):
     name = "cpu_native"
+    fused_decoder_stack = True
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
         ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)

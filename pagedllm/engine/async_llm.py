@@ -30,7 +30,9 @@ from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.engine.input_processor import ProcessedRequest, PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import RequestOutputKind
+from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
+from pagedllm.runner.threads import configure_threads
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.engine")
@@ -62,6 +64,8 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         num_input_workers: int = 2,
     ):
+        configure_logging()  # process-wide settings: set by the entry point, not by the engine
+        configure_threads()
         self.engine = LLMEngine(config, log_stats_interval=log_stats_interval)
         # Beyond this many waiting requests new ones are refused (EngineOverloadedError).
         self.max_waiting_requests = max_waiting_requests

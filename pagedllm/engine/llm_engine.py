@@ -13,26 +13,21 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig, matmul_dtype
+from pagedllm.config import EngineConfig, matmul_dtype
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
+from pagedllm.engine.startup import KVCacheSizes, kv_cache_sizes, load_model
 from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
-from pagedllm.logger import configure_logging
-from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.kernels.ops import native_available
-from pagedllm.model.loader import load_weights, resolve_model
 from pagedllm.outputs import RequestOutput
-from pagedllm.runner.model_runner import ModelRunner, kv_block_bytes
-from pagedllm.runner.threads import configure_threads
+from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
-from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -41,55 +36,20 @@ __all__ = ["LLMEngine", "PromptType"]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0):
-        configure_logging()
-        configure_threads()
-        self.config = config
         t0 = time.perf_counter()
-        self.source = resolve_model(config.model)
-        arch, state, packed = load_weights(self.source)
-        self.arch = arch
-        max_model_len = config.max_model_len or arch.max_position_embeddings
-        if max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})"
-            )
-        self.max_model_len = max_model_len
-        dtype = config.torch_dtype
-        model = LlamaForCausalLM.from_hf_state_dict(arch, state, dtype, max_model_len)
-        del state
-        if config.packed_weights and packed and native_available():
-            if dtype == torch.float32:
-                n = model.attach_packed(packed)
-                logger.info("%d linear layers also keep their GGUF blocks for small batches", n)
-            else:  # the blocks' values are not rounded to bf16: they would change answers
-                logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
-        del packed
-        n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
-        if n:
-            logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
-        self.tokenizer = load_tokenizer(self.source)
-        eos = set(arch.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
-
-        block_bytes = kv_block_bytes(arch, config.block_size, dtype)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            space = config.kv_cache_space or DEFAULT_KV_CACHE_SPACE_GIB
-            num_blocks = int(space * (1 << 30) // block_bytes)
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
-        num_swap_blocks = int(config.swap_space * (1 << 30) // block_bytes) if config.preemption_mode == "swap" else 0
+        self.config = config
+        loaded = load_model(config)
+        self.source, self.arch, self.tokenizer = loaded.source, loaded.arch, loaded.tokenizer
+        self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
+        sizes = kv_cache_sizes(config, loaded.arch)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=num_swap_blocks
+            sizes.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=sizes.num_swap_blocks
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
-                max_model_len,
+                self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 scheduling_policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
@@ -97,59 +57,46 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.runner = ModelRunner(
-            model,
-            num_blocks=num_blocks,
+            loaded.model,
+            num_blocks=sizes.num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=dtype,
+            max_model_len=self.max_model_len,
+            dtype=config.torch_dtype,
             attention_backend=config.attention_backend,
             seed=config.seed,
-            num_swap_blocks=num_swap_blocks,
+            num_swap_blocks=sizes.num_swap_blocks,
             swap_path=config.swap_path,
         )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]
+        self.processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parallel = ParallelSampling(self.scheduler, share_prompt=config.enable_prefix_caching)
-        self.processor = InputProcessor(self.tokenizer, arch.vocab_size, max_model_len, config.max_num_seqs)
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
-        num_tokens = num_blocks * config.block_size
-        logger.info("model: %s (%s, %s)", self.source.path, self.source.format, arch.architecture)
+        self._log_startup(sizes, time.perf_counter() - t0)
+
+    def _log_startup(self, sizes: KVCacheSizes, seconds: float) -> None:
+        config, dtype = self.config, self.config.torch_dtype
+        logger.info("model: %s (%s, %s)", self.source.path, self.source.format, self.arch.architecture)
         wide = matmul_dtype(dtype)
         if wide != dtype:
             logger.info("%s model: this CPU has no %s arithmetic, so its linears multiply the %s values in %s "
-                        "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, wide)
-        logger.info(
-            "config: %s",
-            ", ".join(
-                f"{k}={v}"
-                for k, v in {
-                    **config.to_dict(),
-                    "dtype": f"{config.dtype} -> {str(dtype).removeprefix('torch.')}",
-                    "max_model_len": max_model_len,
-                }.items()
-            ),
-        )
+                        "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, wide)  # fmt: skip
+        resolved = {**config.to_dict(), "dtype": f"{config.dtype} -> {str(dtype).removeprefix('torch.')}",
+                    "max_model_len": self.max_model_len}  # fmt: skip
+        logger.info("config: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
+        num_tokens = sizes.num_blocks * config.block_size
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at %d tokens/request: %.2fx",
-            num_blocks,
-            config.block_size,
-            num_tokens,
-            num_blocks * block_bytes / (1 << 30),
-            str(dtype).removeprefix("torch."),
-            max_model_len,
-            num_tokens / max_model_len,
-        )
-        logger.info(
-            "engine ready in %.1f s (threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
-            time.perf_counter() - t0,
-            torch.get_num_threads(),
-            torch.get_num_interop_threads(),
-        )
+            sizes.num_blocks, config.block_size, num_tokens, sizes.num_blocks * sizes.block_bytes / (1 << 30),
+            str(dtype).removeprefix("torch."), self.max_model_len, num_tokens / self.max_model_len,
+        )  # fmt: skip
+        logger.info("engine ready in %.1f s (threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
+                    seconds, torch.get_num_threads(), torch.get_num_interop_threads())  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> str:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import DEFAULT_DTYPE, EngineConfig
+from pagedllm.config import EngineConfig
 from pagedllm.engine.chat import render_chat
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.logger import configure_logging
+from pagedllm.runner.threads import configure_threads
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -22,48 +25,18 @@ class LLM:
     natively (AMX / AVX512-BF16) and float32 elsewhere; ``float32`` is the exactness reference.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = DEFAULT_DTYPE,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        kv_cache_space: float | None = None,
-        num_kv_blocks: int | None = None,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        packed_weights: bool = True,
-        enable_prefix_caching: bool = True,
-        long_prefill_token_threshold: int = 0,
-        scheduling_policy: str = "fcfs",
-        preemption_mode: str = "recompute",
-        swap_space: float = 4.0,
-        swap_path: str | None = None,
-        log_stats_interval: float = 5.0,
-    ):
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            kv_cache_space=kv_cache_space,
-            num_kv_blocks=num_kv_blocks,
-            seed=seed,
-            attention_backend=attention_backend,
-            packed_weights=packed_weights,
-            enable_prefix_caching=enable_prefix_caching,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            scheduling_policy=scheduling_policy,
-            preemption_mode=preemption_mode,
-            swap_space=swap_space,
-            swap_path=swap_path,
-        )
-        self.llm_engine = LLMEngine(config, log_stats_interval=log_stats_interval)
+    def __init__(self, model: str | None = None, *, log_stats_interval: float = 5.0, **engine_args: Any):
+        """``engine_args`` are ``EngineConfig``'s fields with vLLM's names (``dtype``,
+        ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
+        ``kv_cache_space``, ``enable_prefix_caching``, ...; see ``pagedllm/config.py``)."""
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        # Process-wide settings belong to the entry point, not to the engine.
+        configure_logging()
+        configure_threads()
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args), log_stats_interval=log_stats_interval)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()

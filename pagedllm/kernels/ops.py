@@ -2,12 +2,15 @@
 
 Each op runs natively for fp32 CPU tensors when the library is built (see ``build.py``),
 else its torch twin. ``torch_only()`` switches the native path off in a block of code: the
-tests run a model both ways and compare.
+tests run a model both ways and compare. The switch is a context variable, so it holds for
+the code inside the block (its thread and context) only: an engine stepping in another
+thread is never switched by it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -16,26 +19,25 @@ import torch.nn.functional as F
 from pagedllm.kernels import reference
 from pagedllm.kernels.build import load_kernels
 
-_enabled = True
+_native_on = contextvars.ContextVar("pagedllm_native_kernels", default=True)
 
 
 @contextlib.contextmanager
 def torch_only() -> Iterator[None]:
-    global _enabled
-    saved, _enabled = _enabled, False
+    token = _native_on.set(False)
     try:
         yield
     finally:
-        _enabled = saved
+        _native_on.reset(token)
 
 
 def enabled() -> bool:
     """False inside ``torch_only()``."""
-    return _enabled
+    return _native_on.get()
 
 
 def native_available() -> bool:
-    return _enabled and load_kernels() is not None
+    return _native_on.get() and load_kernels() is not None
 
 
 _F32 = torch.float32

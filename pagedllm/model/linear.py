@@ -26,6 +26,14 @@ from pagedllm.kernels import ops, reference
 # 24 rows 84.4 vs 47.9 ms (MKL's sgemm: 56 ms at 1 row, 92-120 ms at 16).
 PACKED_MAX_ROWS = 10
 
+# Bumped whenever any Linear's packed blocks are set or replaced: code that captured their
+# pointers (the one-call decoder stack) compares it instead of re-reading every pointer.
+_packed_generation = 0
+
+
+def packed_generation() -> int:
+    return _packed_generation
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -41,6 +49,12 @@ class Linear(nn.Module):
         # The dense weight as 16-row panels for the native GEMM (pagedllm/kernels/reference.py:
         # pack_panels), set by pack_dense.
         self.panels: torch.Tensor | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "packed":
+            global _packed_generation
+            _packed_generation += 1
+        super().__setattr__(name, value)
 
     def set_packed(self, packed: torch.Tensor, qtype: str) -> None:
         """Keep GGUF blocks ([out_features, row_bytes] uint8) of this layer's weight."""

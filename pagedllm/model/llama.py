@@ -11,12 +11,11 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
-from pagedllm.attention.cpu_native import NativeCPUAttention
 from pagedllm.config import matmul_dtype
 from pagedllm.kernels import ops
-from pagedllm.kernels.build import load_kernels
 from pagedllm.model.arch import ModelArch
-from pagedllm.model.linear import PACKED_MAX_ROWS, Linear
+from pagedllm.model.fused_stack import FusedDecoderStack
+from pagedllm.model.linear import Linear
 from pagedllm.model.rope import RotaryEmbedding
 
 
@@ -100,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("cpu"):  # real tables even when the weights are built on "meta"
             self.rope = RotaryEmbedding(arch, max_positions, rope_freqs)
         self.requires_grad_(False)
+        self.fused_stack = FusedDecoderStack()  # the one-call decoder for small steps, when eligible
 
     @torch.inference_mode()
     def forward(
@@ -112,10 +112,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # The residual stream; each norm adds the previous sublayer's output into it first.
         residual = self.embed_tokens(input_ids)
-        if input_ids.shape[0] <= PACKED_MAX_ROWS and isinstance(backend, NativeCPUAttention):
-            stack = self._native_stack(kv_caches)
-            if stack is not None:
-                return stack.run(residual.contiguous(), positions, meta)
+        stack = self.fused_stack.get(self, backend, kv_caches, input_ids.shape[0])
+        if stack is not None:
+            return stack.run(residual.contiguous(), positions, meta)
         # Submodules' forward() is called directly: at one token per step nn.Module's call
         # machinery was a tenth of the step.
         x = self.layers[0].input_layernorm.forward(residual)
@@ -127,16 +126,6 @@ class LlamaForCausalLM(nn.Module):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < num_layers else self.norm
             x = next_norm.forward(x, residual)
         return x
-
-    def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "NativeDecoderStack | None":
-        """The one-call decoder for small steps, when every layer can run in it (else None)."""
-        if not ops.enabled():
-            return None
-        key = kv_caches[0][0].data_ptr()
-        if getattr(self, "_stack_key", None) != key:
-            self._stack = NativeDecoderStack.build(self, kv_caches)
-            self._stack_key = key
-        return self._stack
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -237,53 +226,3 @@ class LlamaForCausalLM(nn.Module):
                 linear.set_packed(found[1], found[0])
                 count += 1
         return count
-
-
-class NativeDecoderStack:
-    """All decoder layers of a small step in one native call (``decoder_stack_f32``).
-
-    At a few tokens per step each layer is ten short kernels and their Python dispatch was a
-    third of a single-stream step. This runs the same kernels in the same order from C++; it
-    applies only when every layer has packed weights, no biases, fp32 everything and the
-    native attention, and tests compare it with the layer-by-layer path.
-    """
-
-    _QTYPES = {"Q4_1": 0, "Q8_0": 1}
-
-    def __init__(self, model: LlamaForCausalLM, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list):
-        self.model, self.ptrs, self.qtypes, self._keep = model, ptrs, qtypes, keep
-
-    @classmethod
-    def build(cls, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        lib = load_kernels()
-        if lib is None or model.norm.weight.dtype != torch.float32:
-            return None
-        rows, qtypes, keep = [], [], []
-        for layer, (kc, vc) in zip(model.layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.packed is None or lin.bias is not None or lin.qtype not in cls._QTYPES for lin in linears):
-                return None
-            if kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
-                return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            tensors = (*norms, *(lin.packed for lin in linears), kc, vc)
-            keep += tensors
-            rows.append([t.data_ptr() for t in tensors])
-            qtypes.append([cls._QTYPES[lin.qtype] for lin in linears])
-        return cls(model, torch.tensor(rows, dtype=torch.int64), torch.tensor(qtypes, dtype=torch.int32), keep)
-
-    def run(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        m, arch = self.model, self.model.arch
-        out = torch.empty_like(residual)
-        tables = meta.block_tables.contiguous()
-        seq_lens, qsl = meta.seq_lens.contiguous(), meta.query_start_loc.contiguous()
-        slots, positions = meta.slot_mapping.contiguous(), positions.contiguous()
-        load_kernels().decoder_stack_f32(
-            out.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.qtypes.data_ptr(), arch.num_layers,
-            m.norm.weight.data_ptr(), m.norm.eps, residual.shape[0], arch.hidden_size, arch.num_heads,
-            arch.num_kv_heads, arch.head_dim, arch.intermediate_size, positions.data_ptr(), m.rope.cos.data_ptr(),
-            m.rope.sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-            qsl.data_ptr(), meta.num_seqs, meta.block_size, m.layers[0].self_attn.scale, torch.get_num_threads(),
-        )
-        return out

@@ -157,24 +157,56 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path):
 def test_one_call_decoder_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch):
     """Small steps of a packed fp32 model run all layers in one native call; the per-layer
     path (the same kernels called from Python) must give the same tokens and logprobs."""
-    from pagedllm.model.llama import LlamaForCausalLM, NativeDecoderStack
+    from pagedllm.model import fused_stack
 
     hf_dir = save_tiny_model(tmp_path / "hf", seed=4)
     gguf_file = write_llama_gguf(hf_dir, tmp_path / "tiny.gguf", quant="Q4_1")
     llm = LLM(str(gguf_file), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
-    model = llm.llm_engine.runner.model
-    assert isinstance(model._native_stack(llm.llm_engine.runner.kv_caches), NativeDecoderStack)
+    runner = llm.llm_engine.runner
+    model = runner.model
+    assert fused_stack.why_not(model, runner.kv_caches) is None
+    assert model.fused_stack.get(model, runner.backend, runner.kv_caches, 1) is not None
     prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 21))}]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     calls = []
-    run = NativeDecoderStack.run
-    monkeypatch.setattr(NativeDecoderStack, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    run = fused_stack._NativePlan.run
+    monkeypatch.setattr(fused_stack._NativePlan, "run", lambda self, *a: calls.append(1) or run(self, *a))
     fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls, "the one-call stack did not run"
-    monkeypatch.setattr(LlamaForCausalLM, "_native_stack", lambda self, kv: None)
+    monkeypatch.setattr(fused_stack.FusedDecoderStack, "get", lambda *a: None)
     llm.reset_prefix_cache()
     layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for a, b in zip(fused, layered):
         assert a.token_ids == b.token_ids
         for lp_a, lp_b, tok in zip(a.logprobs, b.logprobs, a.token_ids):
             assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 1e-5
+
+
+def test_the_decoder_stack_rule_says_why_it_is_off(tmp_path):
+    """One rule decides; each condition it names turns the stack off, and a changed weight or
+    cache makes it rebuild its captured pointers."""
+    from pagedllm.attention.torch_sdpa import TorchSDPAAttention
+    from pagedllm.kernels import ops
+    from pagedllm.model import fused_stack
+
+    hf_dir = save_tiny_model(tmp_path / "hf", seed=4)
+    llm = LLM(str(write_llama_gguf(hf_dir, tmp_path / "tiny.gguf", quant="Q4_1")), dtype="float32",
+              num_kv_blocks=64, log_stats_interval=1e9)  # fmt: skip
+    runner = llm.llm_engine.runner
+    model, kv, stack = runner.model, runner.kv_caches, runner.model.fused_stack
+    plan = stack.get(model, runner.backend, kv, 4)
+    assert plan is not None
+    assert stack.get(model, runner.backend, kv, 11) is None  # past the packed-weight regime
+    assert stack.get(model, TorchSDPAAttention(), kv, 1) is None  # backend without the capability
+    with ops.torch_only():
+        assert stack.get(model, runner.backend, kv, 1) is None
+    bf16_kv = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in kv]
+    assert "KV cache" in fused_stack.why_not(model, bf16_kv)
+    assert stack.get(model, runner.backend, bf16_kv, 1) is None
+    lin = model.layers[1].mlp.down_proj
+    saved = lin.packed
+    lin.packed = saved.clone()  # new weights: the plan is rebuilt on them
+    assert stack.get(model, runner.backend, kv, 1) is not plan
+    lin.packed = None
+    assert "layer 1" in fused_stack.why_not(model, kv) and stack.get(model, runner.backend, kv, 1) is None
+    lin.packed = saved

@@ -1,0 +1,82 @@
+"""What an engine needs before it wires its parts: the loaded model and the KV pool's size.
+
+Both are plain functions of the config, so other tools (capacity planning, a worker process
+holding a model shard) can call them without building an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
+from pagedllm.kernels.ops import native_available
+from pagedllm.model.arch import ModelArch
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.loader import ModelSource, load_weights, resolve_model
+from pagedllm.runner.model_runner import kv_block_bytes
+from pagedllm.tokenizer import load_tokenizer
+
+logger = logging.getLogger("pagedllm.engine")
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    arch: ModelArch
+    model: LlamaForCausalLM
+    tokenizer: Any | None
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+@dataclass
+class KVCacheSizes:
+    block_bytes: int  # one block across all layers, keys and values
+    num_blocks: int
+    num_swap_blocks: int
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Weights (dense, plus GGUF blocks / native panels where they serve), tokenizer, EOS ids."""
+    source = resolve_model(config.model)
+    arch, state, packed = load_weights(source)
+    max_model_len = config.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
+    dtype = config.torch_dtype
+    model = LlamaForCausalLM.from_hf_state_dict(arch, state, dtype, max_model_len)
+    del state
+    if config.packed_weights and packed and native_available():
+        if dtype == torch.float32:
+            n = model.attach_packed(packed)
+            logger.info("%d linear layers also keep their GGUF blocks for small batches", n)
+        else:  # the blocks' values are not rounded to bf16: they would change answers
+            logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
+    del packed
+    n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
+    if n:
+        logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
+    tokenizer = load_tokenizer(source)
+    eos = set(arch.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return LoadedModel(source, arch, model, tokenizer, frozenset(eos), max_model_len)
+
+
+def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
+    """Blocks in the KV pool (``num_kv_blocks``, else what ``kv_cache_space`` GiB holds) and in
+    the swap pool (``swap_space`` GiB, with ``preemption_mode="swap"``)."""
+    block_bytes = kv_block_bytes(arch, config.block_size, config.torch_dtype)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        space = config.kv_cache_space or DEFAULT_KV_CACHE_SPACE_GIB
+        num_blocks = int(space * (1 << 30) // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
+    num_swap = int(config.swap_space * (1 << 30) // block_bytes) if config.preemption_mode == "swap" else 0
+    return KVCacheSizes(block_bytes, num_blocks, num_swap)

@@ -1,0 +1,115 @@
+"""The whole decoder stack of a small step in one native call, and when it may stand in.
+
+At a few tokens per step each layer is ten short kernels whose Python dispatch was a third of
+a single-stream step; ``decoder_stack_f32`` runs the same kernels in the same order from C++
+(tests compare it with the layer-by-layer path). It bypasses the attention backend and
+``Linear``, so it may stand in for them only under the rule below, stated here and nowhere
+else (``why_not``):
+
+- the step has at most ``PACKED_MAX_ROWS`` tokens (the packed-weight regime);
+- the native kernels are built and on (not inside ``ops.torch_only()``);
+- the attention backend declares ``fused_decoder_stack`` (its attention is what the stack computes);
+- every layer's four linears hold GGUF blocks of a type the stack knows (Q4_1, Q8_0), no biases;
+- the model computes in fp32 and every layer's KV cache is fp32 and contiguous.
+
+A feature that changes what a layer computes (LoRA deltas, tensor-parallel shards, a quantized
+KV cache, ...) must add its condition to ``why_not``; the stack never silently skips it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.kernels import ops
+from pagedllm.kernels.build import load_kernels
+from pagedllm.model.linear import PACKED_MAX_ROWS, packed_generation
+
+logger = logging.getLogger("pagedllm.model")
+
+_QTYPES = {"Q4_1": 0, "Q8_0": 1}
+
+
+def _linears(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why this model and cache cannot run as one native call (None: they can). The per-step
+    conditions (token count, backend, ``torch_only``) are checked by ``FusedDecoderStack.get``."""
+    if load_kernels() is None:
+        return "the native kernels are not built"
+    if model.norm.weight.dtype != torch.float32:
+        return f"the model computes in {model.norm.weight.dtype}"
+    for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
+        for lin in _linears(layer):
+            if lin.packed is None or lin.qtype not in _QTYPES:
+                return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
+            if lin.bias is not None:
+                return f"layer {i} has a linear with a bias"
+        if kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
+            return f"layer {i}'s KV cache is {kc.dtype}, not contiguous fp32"
+    return None
+
+
+class FusedDecoderStack:
+    """Decides per step whether the one-call stack runs, and keeps its plan (the captured
+    pointers), rebuilt when the packed weights or the KV caches it captured change."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._plan: _NativePlan | None = None
+
+    @staticmethod
+    def _key_of(kv_caches) -> tuple:
+        """What the plan captured: the packed weights (through their generation counter) and
+        the KV caches. Cheap, since it runs every small step."""
+        return packed_generation(), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), len(kv_caches)
+
+    def get(self, model, backend: AttentionBackend, kv_caches, num_tokens: int) -> "_NativePlan | None":
+        if num_tokens > PACKED_MAX_ROWS or not backend.fused_decoder_stack or not ops.enabled():
+            return None
+        key = self._key_of(kv_caches)
+        if key != self._key:
+            reason = why_not(model, kv_caches)
+            self._plan = _NativePlan.build(model, kv_caches) if reason is None else None
+            self._key = key
+            logger.debug("one-call decoder stack: %s", "on" if reason is None else f"off ({reason})")
+        return self._plan
+
+
+class _NativePlan:
+    """The pointers of one model's weights and KV caches, laid out for ``decoder_stack_f32``."""
+
+    def __init__(self, model, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list):
+        self.model, self.ptrs, self.qtypes, self._keep = model, ptrs, qtypes, keep
+
+    @classmethod
+    def build(cls, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "_NativePlan":
+        rows, qtypes, keep = [], [], []
+        for layer, (kc, vc) in zip(model.layers, kv_caches):
+            linears = _linears(layer)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            tensors = (*norms, *(lin.packed for lin in linears), kc, vc)
+            keep += tensors
+            rows.append([t.data_ptr() for t in tensors])
+            qtypes.append([_QTYPES[lin.qtype] for lin in linears])
+        return cls(model, torch.tensor(rows, dtype=torch.int64), torch.tensor(qtypes, dtype=torch.int32), keep)
+
+    def run(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        m, arch = self.model, self.model.arch
+        out = torch.empty_like(residual)
+        tables = meta.block_tables.contiguous()
+        seq_lens, qsl = meta.seq_lens.contiguous(), meta.query_start_loc.contiguous()
+        slots, positions = meta.slot_mapping.contiguous(), positions.contiguous()
+        load_kernels().decoder_stack_f32(
+            out.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.qtypes.data_ptr(), arch.num_layers,
+            m.norm.weight.data_ptr(), m.norm.eps, residual.shape[0], arch.hidden_size, arch.num_heads,
+            arch.num_kv_heads, arch.head_dim, arch.intermediate_size, positions.data_ptr(), m.rope.cos.data_ptr(),
+            m.rope.sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
+            qsl.data_ptr(), meta.num_seqs, meta.block_size, m.layers[0].self_attn.scale, torch.get_num_threads(),
+        )
+        return out
