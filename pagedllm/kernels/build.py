@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,22 +27,41 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# No -ffast-math: GCC links crtfastmath.o for it, which turns on flush-to-zero and
+# denormals-are-zero for the whole process (torch and numpy included). The kernels' hot loops
+# use intrinsics or `omp simd` reductions, so they vectorise without it.
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
-_p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "paged_attention_f32": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
-    "paged_attention_bf16": [_p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
-    "panel_gemm_f32": [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _int],
-    "grouped_gemm_q4_1": [_p, _p, _p, _i64, _i64, _i64, _int],
-    "grouped_gemm_q8_0": [_p, _p, _p, _i64, _i64, _i64, _int],
-    "rms_norm_f32": [_p, _p, _i64, _p, _p, _f, _i64, _i64, _int],
-    "rope_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
-    "write_kv_f32": [_p, _p, _i64, _p, _p, _p, _i64, _i64],
-    "silu_and_mul_f32": [_p, _p, _i64, _i64, _int],
-    "decoder_stack_f32": [_p, _p, _p, _p, _i64, _p, _f, _i64, _i64, _i64, _i64, _i64, _i64,
-                          _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _f, _int],
-}
+_C_TYPES = {
+    "void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float, "double": ctypes.c_double, "const char*": ctypes.c_char_p,
+}  # fmt: skip
+
+
+def _c_type(decl: str):
+    """ctypes type of a C declaration's type part ("const float*" -> c_void_p, "int64_t" -> c_int64)."""
+    decl = " ".join(decl.replace("*", " * ").split())
+    if decl == "const char *":
+        return ctypes.c_char_p
+    if "*" in decl:
+        return ctypes.c_void_p
+    return _C_TYPES[decl.removeprefix("const ")]
+
+
+def c_api(source: str) -> dict[str, tuple[object, list[object]]]:
+    """name -> (restype, argtypes) of every prototype between C-API-BEGIN and C-API-END in the
+    kernel source: the one place the C API is written down."""
+    block = source.split("// C-API-BEGIN", 1)[1].split("// C-API-END", 1)[0]
+    body = block.split("{", 1)[1].rsplit("}", 1)[0]
+    api = {}
+    for proto in filter(None, (" ".join(p.split()) for p in body.split(";"))):
+        m = re.fullmatch(r"(.+?)\s*\b(\w+)\((.*)\)", proto)
+        if m is None:
+            raise RuntimeError(f"cannot read the C API prototype {proto!r}")
+        ret, name, params = m.groups()
+        args = [p.strip() for p in params.split(",") if p.strip()]
+        api[name] = (_c_type(ret.strip()), [_c_type(re.sub(r"\s*\b\w+$", "", a)) for a in args])
+    return api
 
 
 def _cache_dir() -> Path:
@@ -96,6 +116,8 @@ def build_library(march: str = "native") -> ctypes.CDLL:
     import torch  # noqa: F401  (its OpenMP runtime must be loaded before our library)
 
     flags = [f"-march={march}", *FLAGS]
+    if os.environ.get("PAGEDLLM_KERNEL_DEBUG", "0") == "1":  # every index checked in the kernels
+        flags.append("-DPAGEDLLM_DEBUG")
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join([compiler, *flags]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
@@ -104,13 +126,9 @@ def build_library(march: str = "native") -> ctypes.CDLL:
         logger.info("building native CPU kernels with %s -march=%s (once per machine)", compiler, march)
         _build(compiler, flags, path)
     lib = ctypes.CDLL(str(path))
-    for name, argtypes in _SIGNATURES.items():
+    for name, (restype, argtypes) in c_api(SOURCE.read_text()).items():
         fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
-    lib.pagedllm_kernels_isa.restype = ctypes.c_char_p
-    lib.pagedllm_team_size.argtypes = [ctypes.c_int]
-    lib.pagedllm_team_size.restype = ctypes.c_int
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 

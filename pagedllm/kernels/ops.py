@@ -89,10 +89,10 @@ def paged_attention(
             step_cache["native"] = args
     q = q.to(_F32).contiguous()
     out = torch.empty_like(q)
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     kernel(
         out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *args[0],
-        q.shape[1], num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+        q.shape[1], num_kv_heads, head_dim, block_size, num_blocks, scale, torch.get_num_threads(),
     )
     return out
 
@@ -169,7 +169,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
         k.copy_(reference.rotate_half(k, c, s))
         return
     load_kernels().rope_f32(
-        _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions.contiguous()), _ptr(cos), _ptr(sin),
+        _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions.contiguous()), _ptr(cos), _ptr(sin), cos.shape[0],
         T, H, k.shape[1], D, torch.get_num_threads(),
     )
 
@@ -184,7 +184,8 @@ def write_kv(
         reference.write_kv(k, v, key_cache, value_cache, slot_mapping)
         return
     load_kernels().write_kv_f32(
-        _ptr(k), _ptr(v), k.stride(0), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping.contiguous()), T, Hkv * D
+        _ptr(k), _ptr(v), k.stride(0), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping.contiguous()),
+        key_cache.shape[0] * key_cache.shape[1], T, Hkv * D,
     )
 
 

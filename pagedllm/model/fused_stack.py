@@ -84,8 +84,8 @@ class FusedDecoderStack:
 class _NativePlan:
     """The pointers of one model's weights and KV caches, laid out for ``decoder_stack_f32``."""
 
-    def __init__(self, model, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list):
-        self.model, self.ptrs, self.qtypes, self._keep = model, ptrs, qtypes, keep
+    def __init__(self, model, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list, num_blocks: int):
+        self.model, self.ptrs, self.qtypes, self._keep, self.num_blocks = model, ptrs, qtypes, keep, num_blocks
 
     @classmethod
     def build(cls, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "_NativePlan":
@@ -97,7 +97,8 @@ class _NativePlan:
             keep += tensors
             rows.append([t.data_ptr() for t in tensors])
             qtypes.append([_QTYPES[lin.qtype] for lin in linears])
-        return cls(model, torch.tensor(rows, dtype=torch.int64), torch.tensor(qtypes, dtype=torch.int32), keep)
+        rows_t, qtypes_t = torch.tensor(rows, dtype=torch.int64), torch.tensor(qtypes, dtype=torch.int32)
+        return cls(model, rows_t, qtypes_t, keep, kv_caches[0][0].shape[0])
 
     def run(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         m, arch = self.model, self.model.arch
@@ -105,11 +106,14 @@ class _NativePlan:
         tables = meta.block_tables.contiguous()
         seq_lens, qsl = meta.seq_lens.contiguous(), meta.query_start_loc.contiguous()
         slots, positions = meta.slot_mapping.contiguous(), positions.contiguous()
-        load_kernels().decoder_stack_f32(
+        status = load_kernels().decoder_stack_f32(
             out.data_ptr(), residual.data_ptr(), self.ptrs.data_ptr(), self.qtypes.data_ptr(), arch.num_layers,
             m.norm.weight.data_ptr(), m.norm.eps, residual.shape[0], arch.hidden_size, arch.num_heads,
             arch.num_kv_heads, arch.head_dim, arch.intermediate_size, positions.data_ptr(), m.rope.cos.data_ptr(),
-            m.rope.sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-            qsl.data_ptr(), meta.num_seqs, meta.block_size, m.layers[0].self_attn.scale, torch.get_num_threads(),
-        )
+            m.rope.sin.data_ptr(), m.rope.cos.shape[0], slots.data_ptr(), tables.data_ptr(), tables.stride(0),
+            seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs, meta.block_size, self.num_blocks,
+            m.layers[0].self_attn.scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"decoder_stack_f32 refused its arguments (status {status}: an unknown block type)")
         return out

@@ -190,6 +190,7 @@ class ModelRunner:
         np.cumsum(q_lens, out=query_start_loc[1:])
         positions = np.arange(len(tokens), dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        self._check_bounds(sched, tables, seq_lens, positions)
 
         dev = self.device
         meta = AttentionMetadata(
@@ -226,6 +227,21 @@ class ModelRunner:
             for tok in tokens:
                 state.append(tok)
         return result
+
+    def _check_bounds(self, sched, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:
+        """The native kernels trust their indices: check the step's once, here (a few numpy
+        reductions), so a bad block id or position is an error, never a stray memory access."""
+        num_blocks = self.kv_caches[0][0].shape[0]
+        max_positions = self.model.rope.cos.shape[0]
+        for s in sched:
+            if not s.block_ids or min(s.block_ids) < 0 or max(s.block_ids) >= num_blocks:
+                raise ValueError(f"request {s.req_id}: block ids outside the pool [0, {num_blocks})")
+            if len(s.block_ids) * self.block_size < s.num_computed_tokens + s.num_new_tokens:
+                raise ValueError(f"request {s.req_id}: {len(s.block_ids)} blocks for {s.num_computed_tokens + s.num_new_tokens} tokens")
+        if seq_lens.min() < 1 or positions.min() < 0 or positions.max() >= max_positions:
+            raise ValueError(f"step positions outside [0, {max_positions}) or an empty sequence")
+        if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
+            raise ValueError(f"block table entries outside the pool [0, {num_blocks})")
 
     def _sampling_batch(self, reqs: list[CachedRequestState]) -> SamplingBatch:
         params = [r.sampling_params for r in reqs]

@@ -151,3 +151,18 @@ def test_n_is_checked_before_anything_is_built(llm):
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="top_k"):
         engine.add_request({"prompt_token_ids": [5]}, SamplingParams(top_k=10**6))
+
+
+def test_the_runner_refuses_indices_outside_the_pool(llm):
+    """The kernels trust their indices; the runner checks each step's before calling them."""
+    from pagedllm.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+
+    runner = llm.llm_engine.runner
+    new = NewRequestData("bad", [5, 6, 7], [], SamplingParams(max_tokens=2), frozenset(), [])
+    for block_ids, match in (([10**6], "outside the pool"), ([-1], "outside the pool"), ([], "outside the pool")):
+        out = SchedulerOutput(scheduled=[ScheduledRequest("bad", 3, 0, block_ids, True, new)])
+        runner.update_states(out)
+        with pytest.raises(ValueError, match=match):
+            runner.execute(out)
+    runner.update_states(SchedulerOutput(finished_req_ids={"bad"}))
+    assert "bad" not in runner.requests

@@ -164,6 +164,7 @@ def test_non_streaming_disconnect_frees_blocks_within_a_second(faulty_server, ti
             break
         time.sleep(0.05)
     freed_after = time.monotonic() - left
+    print(f"\nKV blocks back {freed_after:.2f} s after the client left")
     assert srv.metric("pagedllm:num_requests_running") == 0
     assert srv.metric("pagedllm:kv_cache_usage_perc") == idle, f"blocks still held {freed_after:.2f} s after the disconnect"
     assert srv.metric("pagedllm:request_success_total") >= 1  # its abort was counted like any end
@@ -189,6 +190,7 @@ def test_overload_burst_completes_or_gets_503(tiny_llama_tok, max_waiting):
         ok = [r for r in responses if r.status_code == 200]
         refused = [r for r in responses if r.status_code == 503]
         assert len(ok) + len(refused) == 80, sorted({r.status_code for r in responses})
+        print(f"\nburst of 80 (max_waiting_requests={max_waiting or 'default'}): {len(ok)} completed, {len(refused)} got 503")
         assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in ok)
         for r in refused:
             assert r.headers["retry-after"] == "1" and "overloaded" in r.json()["error"]["message"]

@@ -3,6 +3,9 @@ package, on shapes that hit the tails (rows not a multiple of the tile, 1..9 tok
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -186,3 +189,77 @@ def test_portable_build_matches_the_torch_twins(monkeypatch):
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5, res), want, rtol=1e-5, atol=1e-5)
     gate_up = torch.randn(9, 80)
     torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
+
+
+# --------------------------------------------------------------------------- the kernel ABI
+def test_loading_the_kernels_leaves_denormals_alone():
+    """-ffast-math would link crtfastmath.o: flush-to-zero for the whole process, torch included."""
+    assert ops.native_available()
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
+    assert np.float32(1e-39) * np.float32(1.0) != 0.0
+
+
+def test_the_c_api_is_declared_in_one_place():
+    """Every exported symbol is one of the prototypes build.py reads, and every prototype is
+    exported with the ctypes signature read from it."""
+    import subprocess
+
+    from pagedllm.kernels.build import SOURCE, c_api, load_kernels
+
+    api = c_api(SOURCE.read_text())
+    lib = load_kernels()
+    for name, (restype, argtypes) in api.items():
+        fn = getattr(lib, name)
+        assert fn.argtypes == argtypes and fn.restype == restype, name
+    exported = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True, text=True, check=True)
+    ours = {line.split()[-1] for line in exported.stdout.splitlines() if " T " in line}
+    ours = {n for n in ours if not n.startswith("_")}  # C++ (mangled) symbols start with _Z
+    assert ours == set(api), ours ^ set(api)
+    assert api["paged_attention_f32"][1][13] is ctypes.c_int64  # num_blocks, passed since it exists
+
+
+def test_attention_with_an_empty_context_gives_zeros_not_a_crash():
+    kc = torch.randn(4, 16, 2, 64)
+    vc = torch.randn(4, 16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    seq_lens = torch.tensor([0, 5])  # the first sequence has nothing to attend to
+    qsl = torch.tensor([0, 1, 2])
+    out = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125)
+    assert torch.equal(out[0], torch.zeros(4, 64)) and torch.isfinite(out).all()
+
+
+def test_debug_build_checks_every_index(tmp_path):
+    """PAGEDLLM_KERNEL_DEBUG=1 builds with the checks: a block id outside the pool aborts with
+    its name instead of reading stray memory."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import torch
+        from pagedllm.kernels import build, ops
+        assert build.load_kernels().pagedllm_debug_checks() == 1
+        kc, vc = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+        tables = torch.tensor([[0, 99]])  # 99: outside the pool of 4 blocks
+        ops.paged_attention(torch.randn(1, 4, 64), kc, vc, tables, torch.tensor([20]), torch.tensor([0, 1]), 0.1)
+        print("not caught")
+    ''')
+    env = {**os.environ, "PAGEDLLM_KERNEL_DEBUG": "1", "PAGEDLLM_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "not caught" not in res.stdout, res.stdout + res.stderr
+    assert "block 1 = 99 outside [0, 4)" in res.stderr, res.stderr[-2000:]
+
+
+def test_decoder_stack_refuses_an_unknown_block_type():
+    from pagedllm.kernels.build import load_kernels
+
+    qtypes = torch.tensor([[0, 1, 7, 0]], dtype=torch.int32)  # 7: no such type
+    args = [0] * 27
+    args[3] = qtypes.data_ptr()
+    args[4] = 1  # one layer
+    args[6] = 1e-5
+    args[-2] = 0.1
+    args[-1] = 1
+    assert load_kernels().decoder_stack_f32(*args) == 1  # refused before touching any pointer

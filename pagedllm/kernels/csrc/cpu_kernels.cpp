@@ -6,9 +6,17 @@
 // - grouped_gemm_{q4_1,q8_0}: y = x @ W^T with W kept in GGUF blocks (regrouped), so a step reads
 //   0.6-1.1 bytes per weight instead of 4. Activations and accumulation stay fp32, so the
 //   result equals x @ dequantize(W)^T up to summation order.
+// - panel_gemm_f32: dense fp32 y = x @ W^T on weights repacked into 16-row panels (bigger steps).
+// - rms_norm_f32, rope_f32, write_kv_f32, silu_and_mul_f32: one layer's fused glue.
+// - decoder_stack_f32: all decoder layers of a small step in one call (the kernels above).
 //
 // Every kernel has a pure-torch twin in pagedllm/kernels/reference.py; the tests compare them.
 // Threads: each call runs an OpenMP team of `nthreads` (the caller passes torch's setting).
+// Sizes: callers pass the pool sizes (num_blocks, num_slots, max_positions); Python checks the
+// step's block tables, slots and positions against them once per step, and a build with
+// -DPAGEDLLM_DEBUG (PAGEDLLM_KERNEL_DEBUG=1) checks every access here too. Built without
+// -ffast-math: with GCC it would link crtfastmath.o, which flushes denormals to zero for the
+// whole process (torch included).
 
 #include <cmath>
 #include <cstdint>
@@ -16,9 +24,64 @@
 #include <vector>
 #include <algorithm>
 #include <omp.h>
+#include <cstdio>
+#include <cstdlib>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
+#endif
+
+// ============================================================================================
+// The C API: every symbol build.py loads is declared here and only here. build.py reads these
+// prototypes to set the ctypes signatures, and the compiler checks every definition below
+// against them (a C-linkage function cannot be overloaded), so the two cannot drift apart.
+// C-API-BEGIN
+extern "C" {
+void paged_attention_f32(float* out, const float* q, const float* key_cache, const float* value_cache,
+                         const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
+                         const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads);
+void paged_attention_bf16(float* out, const float* q, const uint16_t* key_cache, const uint16_t* value_cache,
+                          const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
+                          const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads);
+void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
+void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
+void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
+                    int64_t K, int nthreads);
+void rms_norm_f32(float* out, const float* x, int64_t x_stride, float* residual, const float* weight, float eps,
+                  int64_t T, int64_t D, int nthreads);
+void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int64_t* positions, const float* cos_table,
+              const float* sin_table, int64_t max_positions, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+              int nthreads);
+void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
+                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width);
+void silu_and_mul_f32(float* out, const float* gate_up, int64_t T, int64_t I, int nthreads);
+int decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, const int32_t* layer_qtypes,
+                      int64_t num_layers, const float* final_norm, float eps, int64_t T, int64_t hidden,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                      const int64_t* positions, const float* cos_table, const float* sin_table, int64_t max_positions,
+                      const int64_t* slot_mapping, const int64_t* block_tables, int64_t block_table_stride,
+                      const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_seqs, int64_t block_size,
+                      int64_t num_blocks, float scale, int nthreads);
+const char* pagedllm_kernels_isa();
+int pagedllm_team_size(int n);
+int pagedllm_debug_checks();
+}
+// C-API-END
+
+// In a -DPAGEDLLM_DEBUG build, every index is checked before use (a failure names it and aborts).
+#ifdef PAGEDLLM_DEBUG
+#define PAGEDLLM_CHECK(cond, ...)                                       \
+    do {                                                                \
+        if (!(cond)) {                                                  \
+            std::fprintf(stderr, "pagedllm kernel check failed: " __VA_ARGS__); \
+            std::fprintf(stderr, "\n");                                 \
+            std::abort();                                               \
+        }                                                               \
+    } while (0)
+#else
+#define PAGEDLLM_CHECK(cond, ...) ((void)0)
 #endif
 
 namespace {
@@ -213,8 +276,23 @@ template <typename T>
 void paged_attention(float* out, const float* q, const T* key_cache, const T* value_cache,
                      const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                      const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int nthreads) {
+                     int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
     const int64_t num_tokens = query_start_loc[num_seqs];
+#ifdef PAGEDLLM_DEBUG
+    for (int64_t s = 0; s < num_seqs; s++) {
+        PAGEDLLM_CHECK(query_start_loc[s] <= query_start_loc[s + 1], "query_start_loc not increasing at %ld", long(s));
+        const int64_t used = (seq_lens[s] + block_size - 1) / block_size;
+        PAGEDLLM_CHECK(used <= block_table_stride, "seq %ld needs %ld blocks, table has %ld", long(s), long(used),
+                       long(block_table_stride));
+        for (int64_t j = 0; j < used; j++) {
+            const int64_t b = block_tables[s * block_table_stride + j];
+            PAGEDLLM_CHECK(0 <= b && b < num_blocks, "seq %ld block %ld = %ld outside [0, %ld)", long(s), long(j),
+                           long(b), long(num_blocks));
+        }
+    }
+#else
+    (void)num_blocks;
+#endif
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots
     std::vector<int64_t> token_seq(num_tokens);
@@ -235,6 +313,11 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
             const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // keys 0..ctx-1
             const int64_t* table = block_tables + s * block_table_stride;
             const int64_t offset = kvh * head_dim;
+            if (ctx <= 0) {  // nothing to attend to (a malformed step): zeros, never a division by 0
+                std::fill(out + (t * num_heads + kvh * group) * head_dim,
+                          out + (t * num_heads + (kvh + 1) * group) * head_dim, 0.f);
+                continue;
+            }
             for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += MAX_GROUP) {
                 const int g = int(std::min<int64_t>(MAX_GROUP, (kvh + 1) * group - h0));
                 const float* qh = q + (t * num_heads + h0) * head_dim;
@@ -261,28 +344,22 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
 
 }  // namespace
 
-extern "C" {
-
 void paged_attention_f32(float* out, const float* q, const float* key_cache, const float* value_cache,
                          const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
-                         const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                         int nthreads) {
+                         const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
     paged_attention(out, q, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start_loc,
-                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, nthreads);
+                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, nthreads);
 }
 
 // The same over a bf16 cache; q and out stay fp32.
 void paged_attention_bf16(float* out, const float* q, const bf16_t* key_cache, const bf16_t* value_cache,
                           const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
-                          const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          int nthreads) {
+                          const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
     paged_attention(out, q, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start_loc,
-                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, nthreads);
+                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, nthreads);
 }
-
-}  // extern "C"
 
 // ---------------------------------------------------------------------------------------------
 // GGUF weight-only GEMM. GGUF stores 32-weight blocks along K:
@@ -469,8 +546,6 @@ void grouped_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t
 
 }  // namespace
 
-extern "C" {
-
 // y: [M, N] fp32, x: [M, K] fp32 contiguous, w: grouped blocks (see above). K % 32 == 0.
 void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
     grouped_gemm<GroupQ4_1>(y, x, w, M, N, K, nthreads);
@@ -479,8 +554,6 @@ void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, in
 void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
     grouped_gemm<GroupQ8_0>(y, x, w, M, N, K, nthreads);
 }
-
-}  // extern "C"
 
 // ---------------------------------------------------------------------------------------------
 // Dense fp32 GEMM y = x @ W^T for steps of more than a few tokens. W is packed once at load
@@ -547,8 +620,6 @@ void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float
 
 }  // namespace
 
-extern "C" {
-
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W packed by pack_panels.
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
                     int64_t K, int nthreads) {
@@ -564,10 +635,6 @@ void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const fl
     }
 }
 
-}  // extern "C"
-
-extern "C" {
-
 // Which instruction set this build used, for logs and tests.
 const char* pagedllm_kernels_isa() {
 #ifdef PAGEDLLM_AVX2
@@ -577,14 +644,19 @@ const char* pagedllm_kernels_isa() {
 #endif
 }
 
-}  // extern "C"
+// 1 in a -DPAGEDLLM_DEBUG build (every index checked), else 0.
+int pagedllm_debug_checks() {
+#ifdef PAGEDLLM_DEBUG
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // Small fused element-wise ops. At one token per step each torch op costs more in dispatch than
 // in arithmetic, so the layer's glue runs here as one call each. Rows run in parallel only
 // when there are enough of them to pay for waking the team.
-
-extern "C" {
 
 // RMS norm of x (or of residual + x, written back to residual) times weight, into out.
 // x/out: [T, D] with row strides; residual: [T, D] contiguous or null.
@@ -613,8 +685,13 @@ void rms_norm_f32(float* out, const float* x, int64_t x_stride, float* residual,
 // Rotary embedding, "rotate half" layout, in place on q [T, H, D] and k [T, Hkv, D] whose rows
 // (tokens) are q_stride / k_stride floats apart; cos/sin: [max_positions, D].
 void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int64_t* positions, const float* cos_table,
-              const float* sin_table, int64_t T, int64_t H, int64_t Hkv, int64_t D, int nthreads) {
+              const float* sin_table, int64_t max_positions, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+              int nthreads) {
     const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++)
+        PAGEDLLM_CHECK(0 <= positions[t] && positions[t] < max_positions, "position %ld outside [0, %ld)",
+                       long(positions[t]), long(max_positions));
+    (void)max_positions;
 #pragma omp parallel for num_threads(nthreads) if (T >= 8) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float* c = cos_table + positions[t] * D;
@@ -633,8 +710,11 @@ void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int6
 
 // Copy each token's K and V rows ([T, Hkv*D], rows row_stride apart) into its cache slot.
 void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
-                  const int64_t* slot_mapping, int64_t T, int64_t width) {
+                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width) {
+    (void)num_slots;
     for (int64_t t = 0; t < T; t++) {
+        PAGEDLLM_CHECK(0 <= slot_mapping[t] && slot_mapping[t] < num_slots, "slot %ld outside [0, %ld)",
+                       long(slot_mapping[t]), long(num_slots));
         std::memcpy(key_cache + slot_mapping[t] * width, k + t * row_stride, sizeof(float) * width);
         std::memcpy(value_cache + slot_mapping[t] * width, v + t * row_stride, sizeof(float) * width);
     }
@@ -647,14 +727,20 @@ void silu_and_mul_f32(float* out, const float* gate_up, int64_t T, int64_t I, in
         const float* g = gate_up + t * 2 * I;
         const float* u = g + I;
         float* o = out + t * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+        // exp256 instead of std::exp, which the compiler does not vectorise without -ffast-math.
+        const __m256 one = _mm256_set1_ps(1.f), cap = _mm256_set1_ps(88.f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), cap));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
 }
 
-}  // extern "C"
-
-extern "C" {
 // The size of the OpenMP team a kernel gets when it asks for n threads (for tests and logs).
 int pagedllm_team_size(int n) {
     int size = 0;
@@ -665,7 +751,6 @@ int pagedllm_team_size(int n) {
     }
     return size;
 }
-}  // extern "C"
 
 // ---------------------------------------------------------------------------------------------
 // The whole decoder stack for a small step, in one call. With a handful of tokens every layer
@@ -675,17 +760,18 @@ int pagedllm_team_size(int n) {
 // weight, 2 qkv blocks, 3 o blocks, 4 gate_up blocks, 5 down blocks, 6 key cache, 7 value
 // cache; `layer_qtypes[l * 4 + j]` the block type (0 = Q4_1, 1 = Q8_0) of linear j (qkv, o,
 // gate_up, down). `residual` [T, hidden] holds the embeddings in and the residual stream out;
-// `out` [T, hidden] gets the final norm's output.
-
-extern "C" {
-
-void decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, const int32_t* layer_qtypes,
-                       int64_t num_layers, const float* final_norm, float eps, int64_t T, int64_t hidden,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                       const int64_t* positions, const float* cos_table, const float* sin_table,
-                       const int64_t* slot_mapping, const int64_t* block_tables, int64_t block_table_stride,
-                       const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_seqs,
-                       int64_t block_size, float scale, int nthreads) {
+// `out` [T, hidden] gets the final norm's output. Returns 0, or 1 (having done nothing) when a
+// block type is unknown.
+int decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, const int32_t* layer_qtypes,
+                      int64_t num_layers, const float* final_norm, float eps, int64_t T, int64_t hidden,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                      const int64_t* positions, const float* cos_table, const float* sin_table, int64_t max_positions,
+                      const int64_t* slot_mapping, const int64_t* block_tables, int64_t block_table_stride,
+                      const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_seqs, int64_t block_size,
+                      int64_t num_blocks, float scale, int nthreads) {
+    for (int64_t i = 0; i < num_layers * 4; i++)
+        if (layer_qtypes[i] != 0 && layer_qtypes[i] != 1) return 1;
+    const int64_t num_slots = num_blocks * block_size;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     std::vector<float> x(T * hidden), qkv(T * qkv_size), q(T * q_size), attn(T * q_size), proj(T * hidden);
@@ -693,7 +779,7 @@ void decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, c
     auto gemm = [&](int32_t qtype, float* y, const float* in, const void* w, int64_t N, int64_t K) {
         const uint8_t* wb = static_cast<const uint8_t*>(w);
         if (qtype == 0) grouped_gemm_q4_1(y, in, wb, T, N, K, nthreads);
-        else grouped_gemm_q8_0(y, in, wb, T, N, K, nthreads);
+        else grouped_gemm_q8_0(y, in, wb, T, N, K, nthreads);  // 1: checked above
     };
     auto ptr = [&](int64_t l, int i) { return reinterpret_cast<void*>(layer_ptrs[l * 8 + i]); };
     rms_norm_f32(x.data(), residual, hidden, nullptr, static_cast<const float*>(ptr(0, 0)), eps, T, hidden, nthreads);
@@ -702,15 +788,16 @@ void decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, c
         gemm(qt[0], qkv.data(), x.data(), ptr(l, 2), qkv_size, hidden);
         float* kp = qkv.data() + q_size;
         float* vp = kp + kv_size;
-        rope_f32(qkv.data(), qkv_size, kp, qkv_size, positions, cos_table, sin_table, T, num_heads, num_kv_heads,
-                 head_dim, nthreads);
+        rope_f32(qkv.data(), qkv_size, kp, qkv_size, positions, cos_table, sin_table, max_positions, T, num_heads,
+                 num_kv_heads, head_dim, nthreads);
         write_kv_f32(kp, vp, qkv_size, static_cast<float*>(ptr(l, 6)), static_cast<float*>(ptr(l, 7)), slot_mapping,
-                     T, kv_size);
+                     num_slots, T, kv_size);
         for (int64_t t = 0; t < T; t++)  // the attention kernel takes contiguous q rows
             std::memcpy(q.data() + t * q_size, qkv.data() + t * qkv_size, sizeof(float) * q_size);
         paged_attention_f32(attn.data(), q.data(), static_cast<const float*>(ptr(l, 6)),
                             static_cast<const float*>(ptr(l, 7)), block_tables, block_table_stride, seq_lens,
-                            query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, nthreads);
+                            query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                            nthreads);
         gemm(qt[1], proj.data(), attn.data(), ptr(l, 3), hidden, q_size);
         rms_norm_f32(x.data(), proj.data(), hidden, residual, static_cast<const float*>(ptr(l, 1)), eps, T, hidden,
                      nthreads);
@@ -721,6 +808,5 @@ void decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, c
         rms_norm_f32(l + 1 < num_layers ? x.data() : out, proj.data(), hidden, residual, next_norm, eps, T, hidden,
                      nthreads);
     }
+    return 0;
 }
-
-}  // extern "C"
