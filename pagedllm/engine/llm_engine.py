@@ -161,7 +161,11 @@ class LLMEngine:
     def _fail_request(self, req: Request, error: BaseException) -> None:
         """A fault pinned on one request ends that request (all its samples) and nothing else."""
         logger.error("request %s failed: %s: %s", req.parent_id, type(error).__name__, error, exc_info=error)
-        self._end_request(req.parent_id, RequestStatus.FINISHED_ERROR, f"{type(error).__name__}: {error}")
+        message = f"{type(error).__name__}: {error}"
+        self._end_request(req.parent_id, RequestStatus.FINISHED_ERROR, message)
+        if req.status is not RequestStatus.FINISHED_ERROR:  # it had just finished (its last token failed)
+            req.status, req.error = RequestStatus.FINISHED_ERROR, message
+            self.output_processor.mark(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -175,6 +179,7 @@ class LLMEngine:
         """Run one scheduler + model step; return outputs per the requests' output kinds."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            self.runner.update_states(sched_out)  # forget ended requests, apply pending moves
             return self.output_processor.make_outputs()
         self.faults.after_schedule(self._prompts(sched_out))
         self.runner.update_states(sched_out)
@@ -194,7 +199,7 @@ class LLMEngine:
         self.output_processor.record_logprobs(scheduled, result)
         finished = self.scheduler.update_from_output(sched_out, result.sampled)
         for req, tokens in zip(scheduled, result.sampled):
-            if not tokens:
+            if not tokens or req.status is RequestStatus.FINISHED_ERROR:  # a sibling's fault ended it
                 continue
             try:
                 stop = self.output_processor.on_new_tokens(req, len(tokens))
@@ -269,10 +274,15 @@ class LLMEngine:
             prompt_lps.update(res.prompt_logprobs)
 
         run(list(range(len(out.scheduled))))
-        if len(out.scheduled) > 1 and len(failed) == len(out.scheduled):
+        # Attribution is per parent request: the samples of one n > 1 request share its data.
+        parent_of = {i: self.scheduler.requests[s.req_id].parent_id for i, s in enumerate(out.scheduled)}
+        failed_parents = {parent_of[i] for i in failed}
+        if len(set(parent_of.values())) > 1 and failed_parents == set(parent_of.values()):
             raise EngineDeadError(f"engine step failed for every request on its own: {cause}") from cause
         for i, error in failed.items():
-            self._fail_request(self.scheduler.requests[out.scheduled[i].req_id], error)
+            req = self.scheduler.requests.get(out.scheduled[i].req_id)
+            if req is not None:  # else already ended with a sibling that failed first
+                self._fail_request(req, error)
         # Samples of a failed request may sit elsewhere in the step: drop every ended one.
         keep = [i for i in range(len(out.scheduled)) if i in results and out.scheduled[i].req_id in self.scheduler.requests]
         out.scheduled = [out.scheduled[i] for i in keep]

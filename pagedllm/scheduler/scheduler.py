@@ -51,7 +51,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.num_steps = 0  # schedule() calls; numbers the DEBUG step lines
-        self._finished_ids: set[str] = set()  # ended or preempted since the last step
+        self._finished_ids: set[str] = set()  # ended since the last step (the runner forgets them)
         # KV counters (allocated, freed, cached hits) when the last step line was logged, and its step.
         self._log_marks: tuple[int, int, int] = (0, 0, 0)
         self._log_marks_step = -1
@@ -251,7 +251,8 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self._finished_ids.add(req.request_id)  # the runner relearns it when it is resumed
+        # (The runner forgets its tokens through preempted_ids and relearns them when it resumes;
+        # a seeded request's generator lives on, so its random stream continues.)
         self.waiting.add_preempted(req)
         out.preempted_ids.append(req.request_id)
         return refund

@@ -166,3 +166,44 @@ def test_the_runner_refuses_indices_outside_the_pool(llm):
             runner.execute(out)
     runner.update_states(SchedulerOutput(finished_req_ids={"bad"}))
     assert "bad" not in runner.requests
+
+
+def test_a_fault_in_an_n_request_without_prefix_caching_fails_only_it(tiny_llama):
+    """Its samples run side by side (no prefix cache to wait for) and all fail on the same
+    data: that is one request's fault, not the engine's, alone in a step or not."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, log_stats_interval=1e9)
+    llm.llm_engine.faults = FaultInjector(f"request_token={MARK}")
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6)
+    (alone,) = llm.generate([{"prompt_token_ids": [MARK, 9]}], params, use_tqdm=False)
+    assert [c.finish_reason for c in alone.outputs] == ["error", "error"]
+    mixed = llm.generate([{"prompt_token_ids": [MARK, 9]}, {"prompt_token_ids": [4, 9]}], params, use_tqdm=False)
+    assert [c.finish_reason for c in mixed[0].outputs] == ["error", "error"]
+    assert [c.finish_reason for c in mixed[1].outputs] == ["length", "length"]
+    assert llm.llm_engine.kv_cache_manager.usage() == 0.0
+
+
+def test_a_fault_on_the_last_token_still_reports_the_error(llm, monkeypatch):
+    """The request finished by length on this very token; its detokenizer then failed."""
+    processor = llm.llm_engine.output_processor
+    real = processor.on_new_tokens
+
+    def fails_at_the_end(req, num_new):
+        if req.prompt_token_ids[0] == 43 and len(req.output_token_ids) == req.max_tokens:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(req, num_new)
+
+    monkeypatch.setattr(processor, "on_new_tokens", fails_at_the_end)
+    (out,) = llm.generate([{"prompt_token_ids": [43, 5]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "error" and "injected" in out.error
+
+
+def test_seeded_samples_do_not_change_with_preemption(tiny_llama):
+    """A preempted request's generator outlives the preemption: its random stream goes on."""
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11, 13]} for i in range(6)]
+    params = SamplingParams(temperature=1.0, seed=123, max_tokens=20, ignore_eos=True)
+    outs = {}
+    for blocks in (64, 8):
+        llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=blocks, block_size=4, log_stats_interval=1e9)
+        outs[blocks] = llm.generate(prompts, params, use_tqdm=False)
+    assert any(o.num_preemptions for o in outs[8]), "the small pool did not preempt"
+    assert [o.outputs[0].token_ids for o in outs[8]] == [o.outputs[0].token_ids for o in outs[64]]
