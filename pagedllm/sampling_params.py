@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,10 @@ MAX_LOGIT_BIAS_ENTRIES = 4096
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary we load; check_vocab bounds the ids
 
 
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar bigger than 1 MiB is refused
+MAX_CHOICES = 4096
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -32,6 +37,76 @@ def _is_number(x: Any) -> bool:
 def _check_len(name: str, value: Any, limit: int) -> None:
     if value is not None and hasattr(value, "__len__") and len(value) > limit:
         raise ValueError(f"{name} has {len(value)} entries; the limit is {limit}")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, any JSON object, a regex, one of some strings,
+    an EBNF/GBNF grammar or an xgrammar structural tag (exactly one; vLLM's names).
+
+    ``json`` may be a dict, a JSON string or a pydantic model class. ``disable_any_whitespace``
+    makes JSON compact (no free whitespace between tokens), which keeps small models from
+    wandering into endless blank space. Whether a schema, regex or grammar is valid is checked
+    when the request is added (the engine's structured-output backend parses it).
+    """
+
+    json: dict | str | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict | str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar, structural_tag; "
+                f"got {given or 'none'}"
+            )
+        if isinstance(self.json, type):  # a pydantic model class
+            schema = getattr(self.json, "model_json_schema", None)
+            if schema is None:
+                raise ValueError(f"structured_outputs.json must be a dict, a JSON string or a pydantic model, got {self.json!r}")
+            self.json = schema()
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a dict, a JSON string or a pydantic model, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            _check_len("structured_outputs.choice", self.choice, MAX_CHOICES)
+            self.choice = list(self.choice)
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise ValueError("structured_outputs.structural_tag must be a dict or a JSON string")
+        if len(self.spec) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs.{self.kind} is larger than {MAX_CONSTRAINT_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice, grammar or structural_tag."""
+        for name in ("json", "regex", "choice", "grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one canonical string (with ``kind``, the grammar cache's key)."""
+        value = getattr(self, self.kind) if self.kind != "json_object" else ""
+        if isinstance(value, str):
+            return value
+        return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return (self.kind, self.spec, self.disable_any_whitespace)
 
 
 @dataclass
@@ -69,6 +144,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Constrained decoding (JSON schema, regex, choice, grammar): structured_output/.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -134,6 +211,13 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if self.bad_words and max(len(w) for w in self.bad_words) > MAX_BAD_WORD_CHARS:
             raise ValueError(f"bad_words entries may have at most {MAX_BAD_WORD_CHARS} characters")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs: {e}") from e
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if self.greedy:
             self.temperature = 0.0
         if self.top_k == -1:

@@ -22,14 +22,14 @@ LAYERS = {
     "request": 2,
     "kv_cache": 3, "attention": 3, "sampler": 3,
     "scheduler": 4, "model": 4,
-    "runner": 5, "tokenizer": 5,
+    "runner": 5, "tokenizer": 5, "structured_output": 5,
     "engine": 6,
     "entrypoints": 7,
     "bench": 8,
     "cli": 9, "__init__": 9,
 }  # fmt: skip
 # What ``from pagedllm import X`` resolves to (the package root re-exports these).
-ROOT_EXPORTS = {"LLM": "entrypoints", "SamplingParams": "sampling_params", "RequestOutput": "outputs",
+ROOT_EXPORTS = {"LLM": "entrypoints", "SamplingParams": "sampling_params", "StructuredOutputsParams": "sampling_params", "RequestOutput": "outputs",
                 "CompletionOutput": "outputs", "__version__": "version"}  # fmt: skip
 
 

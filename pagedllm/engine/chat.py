@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -41,11 +42,21 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the rendered conversation (special tokens come from the template only)."""
+    """Token ids of the rendered conversation (special tokens come from the template only).
+
+    ``tools`` (OpenAI function tools) go to the template; a template that never mentions
+    tools (the default model's) gets them described in the system message instead.
+    """
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model has none")
     messages = normalize_messages(messages)
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if tools and isinstance(template, str) and "tools" not in template:
+        messages = describe_tools(messages, tools)
+    else:
+        messages = template_messages(messages)
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
     if continue_final_message and messages[-1]["role"] != "assistant":
@@ -59,8 +70,54 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **({"tools": tools} if tools else {}),
             **(chat_template_kwargs or {}),
         )
     except Exception as e:  # template errors (jinja) are the caller's input problem
         raise ValueError(f"could not apply the chat template: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: an assistant's tool-call arguments as objects
+    (OpenAI sends JSON text), content None as ""."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            fixed = []
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn = {**fn, "arguments": json.loads(fn["arguments"])}
+                    except json.JSONDecodeError:
+                        pass
+                    call = {**call, "function": fn}
+                fixed.append(call)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
+def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a chat template that ignores ``tools``: tell the model about them in the system
+    message (hermes style), and show earlier tool calls as text."""
+    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    note = ("You can call functions. Their signatures:\n<tools>\n" + listing + "\n</tools>\n"
+            "To call one, reply with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>.")  # fmt: skip
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            text = "".join(
+                "<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                           ensure_ascii=False) + "</tool_call>"  # fmt: skip
+                for c in m["tool_calls"]
+            )
+            m = {"role": "assistant", "content": (m.get("content") or "") + text}
+        elif m.get("role") == "tool":
+            m = {"role": "tool", "content": f"<tool_response>{m.get('content') or ''}</tool_response>"}
+        out.append(m)
+    if out and out[0].get("role") == "system":
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{note}"}] + out[1:]
+    return [{"role": "system", "content": note}] + out

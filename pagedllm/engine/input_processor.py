@@ -9,9 +9,9 @@ before anything is allocated for the request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from pagedllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pagedllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text alongside).
 PromptType = str | Mapping[str, Any]
@@ -29,8 +29,16 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        validate_structured: Callable[[StructuredOutputsParams], None] | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.validate_structured = validate_structured
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -49,6 +57,10 @@ class InputProcessor:
             raise ValueError("stop strings need detokenize=True and a tokenizer")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer")
+        if params.structured_outputs is not None:
+            if self.validate_structured is None:
+                raise ValueError("structured_outputs are not supported by this engine")
+            self.validate_structured(params.structured_outputs)
         text, ids = self._prompt_tokens(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")

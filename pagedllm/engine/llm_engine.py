@@ -28,6 +28,7 @@ from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -71,7 +72,9 @@ class LLMEngine:
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]
-        self.processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs)
+        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self.processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
+                                        validate_structured=self.structured.validate)  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parallel = ParallelSampling(self.scheduler, share_prompt=config.enable_prefix_caching)
         self.faults = FaultInjector()
@@ -116,7 +119,8 @@ class LLMEngine:
         that off the engine thread; ``sampling_params`` and ``priority`` are then ignored).
         With ``n > 1`` the request runs as n requests ("{i}_{request_id}") that share the
         prompt's full KV blocks through the prefix cache (engine/parallel_sampling.py); their
-        outputs come back together under ``request_id``.
+        outputs come back together under ``request_id``. A request with ``structured_outputs``
+        waits (outside the scheduler, without holding anyone up) until its grammar is compiled.
         """
         req = prompt if isinstance(prompt, ProcessedRequest) else self.processor.process(prompt, sampling_params, priority)
         params = req.sampling_params
@@ -138,7 +142,11 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        self.parallel.add(samples)
+        if params.structured_outputs is not None:
+            self.scheduler.check_request(samples[0])  # what could never run is refused now
+            self.structured.add(samples)
+        else:
+            self.parallel.add(samples)
         self.output_processor.add(samples, output_kind)
         self._samples_of[request_id] = [r.request_id for r in samples]
         return request_id
@@ -154,7 +162,7 @@ class LLMEngine:
             if req is not None:
                 req.error = error
                 self.output_processor.mark(req)
-        for req in self.parallel.drop(request_id):  # samples still held back
+        for req in self.parallel.drop(request_id) + self.structured.drop(request_id):  # samples still held back
             req.status, req.error, req.finished_time = status, error, time.monotonic()
             self.output_processor.mark(req)
 
@@ -168,7 +176,7 @@ class LLMEngine:
             self.output_processor.mark(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured.has_held
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes (running requests keep their blocks)."""
@@ -177,12 +185,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduler + model step; return outputs per the requests' output kinds."""
+        self._admit_compiled()
         sched_out = self.scheduler.schedule()
+        self.structured.forget(sched_out.finished_req_ids)
         if sched_out.is_empty:
             self.runner.update_states(sched_out)  # forget ended requests, apply pending moves
             return self.output_processor.make_outputs()
         self.faults.after_schedule(self._prompts(sched_out))
         self.runner.update_states(sched_out)
+        sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
         result = self._execute(sched_out)
         # The scheduled requests, looked up before update_from_output retires finished ones.
         scheduled = [self.scheduler.requests[s.req_id] for s in sched_out.scheduled]
@@ -201,6 +212,15 @@ class LLMEngine:
         for req, tokens in zip(scheduled, result.sampled):
             if not tokens or req.status is RequestStatus.FINISHED_ERROR:  # a sibling's fault ended it
                 continue
+            if self.structured.tracks(req.request_id):
+                try:
+                    grammar_done = self.structured.accept(req.request_id, tokens)
+                except ValueError as e:
+                    self._fail_request(req, e)
+                    continue
+                if grammar_done and not req.status.finished:  # e.g. with ignore_eos
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                    finished.append(req)
             try:
                 stop = self.output_processor.on_new_tokens(req, len(tokens))
             except Exception as e:  # e.g. a detokenizer fault: this request's alone
@@ -232,6 +252,23 @@ class LLMEngine:
             stat_logger.record(stats)
         return self.output_processor.make_outputs()
 
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is now compiled (or end them if it failed); when
+        nothing else can run, wait briefly for one instead of spinning."""
+        if not self.structured.has_held:
+            return
+        if not self.scheduler.has_unfinished_requests():
+            self.structured.wait_for_any(timeout=0.02)
+        for samples, error in self.structured.take_ready():
+            if error is None:
+                self.parallel.add(samples)
+                continue
+            now = time.monotonic()
+            for req in samples:
+                req.status, req.error, req.finished_time = RequestStatus.FINISHED_ERROR, error, now
+                self.output_processor.mark(req)
+            self._samples_of.pop(samples[0].parent_id, None)
+
     def _prompts(self, out: SchedulerOutput) -> list[list[int]]:
         """Prompt token ids of the scheduled requests (for the fault injector)."""
         return [self.scheduler.requests[s.req_id].prompt_token_ids for s in out.scheduled]
@@ -257,7 +294,7 @@ class LLMEngine:
         failed: dict[int, BaseException] = {}
 
         def run(indices: list[int]) -> None:
-            part = SchedulerOutput(scheduled=[out.scheduled[i] for i in indices])
+            part = SchedulerOutput(scheduled=[out.scheduled[i] for i in indices], grammar=out.grammar)
             try:
                 self.faults.before_model_step(self._prompts(part))
                 res = self.runner.execute(part)

@@ -53,11 +53,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to a list of them.
 
         The prompt is rendered with the tokenizer's chat template (the GGUF's for the
-        default model) unless ``chat_template`` is given.
+        default model) unless ``chat_template`` is given. ``tools`` (OpenAI function tools)
+        are passed to the template; to force a call, constrain the output with
+        ``SamplingParams(structured_outputs=...)``.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not isinstance(conversations, list) or not conversations:
@@ -71,6 +74,7 @@ class LLM:
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     chat_template_kwargs=chat_template_kwargs,
+                    tools=tools,
                 )
             }
             for conv in conversations

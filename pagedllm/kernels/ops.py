@@ -199,3 +199,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, half, dtype=gate_up.dtype)
     load_kernels().silu_and_mul_f32(_ptr(out), _ptr(gate_up), T, half, torch.get_num_threads())
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``logits[rows[r]]`` keeps only the tokens row r of ``bitmask`` allows
+    (bit t % 32 of int32 word t // 32); the others become -inf."""
+    vocab = logits.shape[1]
+    if not (_native(logits) and logits.stride(1) == 1 and bitmask.is_cpu and bitmask.dtype == torch.int32):
+        reference.apply_token_bitmask(logits, rows, bitmask)
+        return
+    assert bitmask.shape[1] * 32 >= vocab and bitmask.shape[0] == rows.shape[0]
+    rows = rows.to(torch.int64).contiguous()
+    bitmask = bitmask.contiguous()
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
+        raise ValueError(f"bitmask rows outside the logits' [0, {logits.shape[0]})")
+    load_kernels().apply_token_bitmask_f32(
+        _ptr(logits), logits.stride(0), _ptr(rows), len(rows), _ptr(bitmask), bitmask.stride(0), vocab,
+        torch.get_num_threads(),
+    )

@@ -112,3 +112,15 @@ def write_kv(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+
+
+_BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # byte value -> its 8 bits, low first
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``logits[rows[r], t] = -inf`` unless bit t % 32 of ``bitmask[r, t // 32]`` is
+    set (int32 words, little-endian bytes); the twin of ``apply_token_bitmask_f32``."""
+    vocab = logits.shape[1]
+    allowed = _BITS.to(logits.device)[bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)[:, :vocab]
+    sub = logits[rows]
+    logits[rows] = sub.masked_fill(allowed[:, : sub.shape[1]] == 0, float("-inf"))

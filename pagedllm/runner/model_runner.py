@@ -19,7 +19,7 @@ from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.scheduler.output import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -219,7 +219,7 @@ class ModelRunner:
             return result
         row_hidden = torch.tensor([int(query_start_loc[row + 1]) - 1 for row, _ in rows], device=dev)
         logits = self.model.compute_logits(hidden[row_hidden])
-        sampled = self.sampler(logits, self._sampling_batch([states[i] for _, i in rows]))
+        sampled = self.sampler(logits, self._sampling_batch([states[i] for _, i in rows], out.grammar))
         for (_, i), tok, lp in zip(rows, sampled.token_ids, sampled.logprobs):
             result.sampled[i].append(int(tok))
             result.logprobs[i].append(lp)
@@ -243,7 +243,7 @@ class ModelRunner:
         if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
             raise ValueError(f"block table entries outside the pool [0, {num_blocks})")
 
-    def _sampling_batch(self, reqs: list[CachedRequestState]) -> SamplingBatch:
+    def _sampling_batch(self, reqs: list[CachedRequestState], grammar: GrammarBitmask | None = None) -> SamplingBatch:
         params = [r.sampling_params for r in reqs]
         batch = SamplingBatch(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
@@ -271,6 +271,15 @@ class ModelRunner:
             banned = self._banned_tokens(r)
             if banned:
                 batch.banned.append((row, banned))
+        if grammar is not None:
+            mask_rows = []
+            for row, r in enumerate(reqs):
+                if r.req_id in grammar.rows:
+                    batch.bitmask_rows.append(row)
+                    mask_rows.append(grammar.rows[r.req_id])
+            if mask_rows:
+                whole = mask_rows == list(range(grammar.bitmask.shape[0]))
+                batch.token_bitmask = grammar.bitmask if whole else grammar.bitmask[torch.tensor(mask_rows)]
         return batch
 
     def _banned_tokens(self, r: CachedRequestState) -> list[int]:

@@ -2,7 +2,8 @@
 
 Order of operations (as vLLM): raw log-probabilities are taken first (what ``logprobs``
 reports); then allowed-token masks, banned tokens (bad words, EOS before ``min_tokens``),
-logit bias and penalties; greedy rows take the argmax of that; the others are divided by
+logit bias, penalties and, last, the grammar's token bitmask (structured outputs: the grammar
+wins where it conflicts with a ban); greedy rows take the argmax of that; the others are divided by
 their temperature, filtered by min-p, top-k and top-p, and sampled.
 
 Sampling uses the "exponential race": with E ~ Exp(1) per vocabulary entry,
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.kernels import ops
 from pagedllm.outputs import RowLogprobs
 
 
@@ -39,6 +41,9 @@ class SamplingBatch:
     allowed: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, allowed token ids)
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, banned token ids)
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None = not requested
+    # Structured outputs: row bitmask_rows[i] may only take the tokens token_bitmask[i] allows.
+    bitmask_rows: list[int] = field(default_factory=list)
+    token_bitmask: torch.Tensor | None = None  # [len(bitmask_rows), ceil(vocab / 32)] int32
 
     @property
     def all_greedy(self) -> bool:
@@ -122,6 +127,23 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return logits
 
 
+def apply_grammar(logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> None:
+    """Mask what each constrained row's grammar forbids, in one kernel call for all rows.
+
+    A row left with no token at all (an allowed-ids list or a ban, e.g. EOS before min_tokens,
+    removed everything the grammar allows) falls back to the grammar alone: the output must
+    stay valid.
+    """
+    assert batch.token_bitmask is not None
+    rows = torch.tensor(batch.bitmask_rows, dtype=torch.int64)
+    ops.apply_token_bitmask(logits, rows, batch.token_bitmask)
+    restricted = {r for r, _ in batch.allowed} | {r for r, _ in batch.banned}
+    for i, row in enumerate(batch.bitmask_rows):
+        if row in restricted and bool(torch.isneginf(logits[row]).all()):
+            logits[row] = raw[row]
+            ops.apply_token_bitmask(logits, torch.tensor([row]), batch.token_bitmask[i : i + 1])
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device | str = "cpu"):
         self.generator = torch.Generator(device=device)
@@ -132,7 +154,8 @@ class Sampler:
         want_logprobs = any(k is not None for k in batch.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
 
-        if batch.allowed or batch.banned or batch.logit_bias or batch.penalty_rows:
+        raw = logits
+        if batch.allowed or batch.banned or batch.logit_bias or batch.penalty_rows or batch.bitmask_rows:
             logits = logits.clone()
         for row, ids in batch.allowed:
             keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
@@ -147,6 +170,8 @@ class Sampler:
             )
         if batch.penalty_rows:
             apply_penalties(logits, batch)
+        if batch.bitmask_rows:
+            apply_grammar(logits, raw, batch)
 
         tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:

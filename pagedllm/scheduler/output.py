@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -39,6 +41,18 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """Next-token masks of the step's grammar-constrained rows (structured outputs).
+
+    Row ``rows[req_id]`` of ``bitmask`` allows token t when bit t % 32 of word t // 32 is set;
+    the sampler masks every other token before sampling.
+    """
+
+    rows: dict[str, int]
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
@@ -54,6 +68,8 @@ class SchedulerOutput:
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
     num_uncacheable_tokens: int = 0  # beyond the last cacheable full block
+    # Token masks for requests under a grammar that sample this step (engine-filled).
+    grammar: GrammarBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

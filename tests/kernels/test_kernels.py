@@ -263,3 +263,25 @@ def test_decoder_stack_refuses_an_unknown_block_type():
     args[-2] = 0.1
     args[-1] = 1
     assert load_kernels().decoder_stack_f32(*args) == 1  # refused before touching any pointer
+
+
+def test_apply_token_bitmask_matches_its_twin_and_the_bit_order():
+    """Structured outputs' mask: native kernel == torch twin, on a subset of rows and a vocab
+    that does not fill its last word; bit t % 32 of word t // 32 allows token t."""
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 100, torch.tensor([3, 0, 5])
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 4), generator=g, dtype=torch.int64).to(torch.int32)
+    words[1, 0] = -1  # a whole word allowed
+    words[2, 1] = 0  # a whole word banned
+    logits = torch.randn(6, vocab, generator=g)
+    native, twin = logits.clone(), logits.clone()
+    ops.apply_token_bitmask(native, rows, words)
+    with ops.torch_only():
+        ops.apply_token_bitmask(twin, rows, words)
+    assert torch.equal(native, twin)
+    for r, row in enumerate(rows.tolist()):
+        for t in range(vocab):
+            allowed = (int(words[r, t // 32]) >> (t % 32)) & 1
+            assert (native[row, t] == logits[row, t]) if allowed else native[row, t] == float("-inf")
+    untouched = [i for i in range(6) if i not in rows.tolist()]
+    assert torch.equal(native[untouched], logits[untouched])

@@ -161,3 +161,31 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert lp.top_ids == [0, 1, 2]
     np.testing.assert_allclose(lp.top_logprobs, raw[:3].numpy(), atol=1e-6)
     assert out.logprobs[1] is None
+
+
+def _mask(vocab: int, allowed: list[int]) -> list[int]:
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # as int32
+
+
+def test_grammar_bitmask_limits_rows_and_wins_over_a_conflicting_ban():
+    vocab = LOGITS.shape[0]
+    logits = LOGITS.repeat(4, 1)
+    batch = SamplingBatch(
+        temperatures=torch.tensor([0.0, 0.0, 1.0, 0.0]),
+        generators=[None, None, torch.Generator().manual_seed(1), None],
+        num_logprobs=[None, 1, None, None],
+        banned=[(3, [4])],  # e.g. EOS before min_tokens, and 4 is all the grammar allows
+        bitmask_rows=[1, 2, 3],
+        token_bitmask=torch.tensor([_mask(vocab, [0, 3]), _mask(vocab, [5]), _mask(vocab, [4])], dtype=torch.int32),
+    )
+    out = Sampler(0)(logits, batch)
+    free = int(LOGITS.argmax())
+    assert out.token_ids[0] == free  # the unconstrained row is untouched
+    assert out.token_ids[1] == max([0, 3], key=lambda t: float(LOGITS[t]))
+    assert out.token_ids[2] == 5  # sampled, but only 5 is allowed
+    assert out.token_ids[3] == 4  # the grammar wins: a row must never be left without a token
+    # Log-probabilities stay the model's raw distribution.
+    assert out.logprobs[1].token_logprob == pytest.approx(float(LOGITS.log_softmax(-1)[out.token_ids[1]]), abs=1e-6)

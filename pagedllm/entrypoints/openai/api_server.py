@@ -24,6 +24,7 @@ from pagedllm.version import __version__
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.protocol import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
@@ -55,6 +56,8 @@ class ServerConfig:
     guard_metrics: bool = False  # with an API key, /metrics needs it too
     trust_request_chat_template: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
 
 
 def error_response(
@@ -151,7 +154,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     served_model_name, model_root = config.served_model_name, config.model_root
     app = FastAPI(title="pagedllm", version=__version__)
-    serving = OpenAIServing(llm, served_model_name, config.trust_request_chat_template)
+    serving = OpenAIServing(llm, served_model_name, config.trust_request_chat_template,
+                            tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)  # fmt: skip
     metrics = ServerMetrics(llm, served_model_name)
     app.state.llm = llm
     app.state.metrics = metrics
@@ -291,6 +295,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger request bodies get 413 (default: %(default)s = 16 MiB)")
     g.add_argument("--trust-request-chat-template", action="store_true", help="let requests bring their own chat_template (it is code run by the server; off by default)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted; a second signal exits at once (default: %(default)s)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="how to find tool calls in the model's text for tool_choice auto")
     g.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats log lines (default: %(default)s)")
 
 
@@ -312,6 +318,8 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
         max_waiting = default_max_waiting_requests(engine_config.max_num_seqs)
     if max_waiting < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {max_waiting}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     llm = AsyncLLM(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
     config = ServerConfig(
         served_model_name=args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME),
@@ -320,6 +328,8 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
         guard_metrics=args.guard_metrics,
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(llm, config)
     grace = args.graceful_shutdown_timeout

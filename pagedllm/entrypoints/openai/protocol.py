@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -20,19 +20,12 @@ logger = logging.getLogger("pagedllm.server")
 # rather than answered as if it had been honoured: no client should believe it got
 # constrained or tool output when it did not.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "tools": bool,
-    "tool_choice": lambda v: v not in (None, "none"),
     "functions": bool,
     "function_call": lambda v: v not in (None, "none"),
     "use_beam_search": bool,
     "length_penalty": lambda v: v not in (None, 1, 1.0),
-    "guided_json": lambda v: v is not None,
-    "guided_regex": lambda v: v is not None,
-    "guided_choice": lambda v: v is not None,
-    "guided_grammar": lambda v: v is not None,
-    "guided_decoding_backend": lambda v: v is not None,
+    "guided_decoding_backend": lambda v: v not in (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": lambda v: v is not None,
-    "structured_outputs": lambda v: v is not None,
     "prompt_logprobs": lambda v: v is not None,
     "logits_processors": bool,
     "truncate_prompt_tokens": lambda v: v is not None,
@@ -42,10 +35,9 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "return_tokens_as_token_ids": bool,
     "mm_processor_kwargs": bool,
     "documents": bool,
-    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
 }
 # OpenAI fields that change nothing here, accepted silently.
-_HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "request_id"}
+_HARMLESS = {"user", "store", "metadata", "service_tier", "reasoning_effort", "request_id"}
 _logged_unknown: set[str] = set()
 
 
@@ -84,6 +76,15 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* names (aliases; at most one of them per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def check_supported(self) -> None:
         """Refuse fields that ask for a feature we lack; log harmless unknown ones once."""
@@ -100,6 +101,26 @@ class _SamplingFields(BaseModel):
             if name not in UNSUPPORTED_FIELDS and name not in _HARMLESS and name != "best_of" and name not in _logged_unknown:
                 _logged_unknown.add(name)
                 logger.info("ignoring unknown request field %r (logged once)", name)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field gave it."""
+        given: dict[str, StructuredOutputsParams] = {}
+        if self.structured_outputs is not None:
+            try:
+                given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from e
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = StructuredOutputsParams(**{key: value})
+        fmt = response_format_constraint(self.response_format)
+        if fmt is not None:
+            given["response_format"] = fmt
+        if len(given) > 1:
+            raise ValueError(f"give at most one output constraint; got {', '.join(sorted(given))}")
+        return next(iter(given.values()), None)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = None
@@ -131,7 +152,35 @@ class _SamplingFields(BaseModel):
             bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self.structured(),
         )
+
+
+def response_format_constraint(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object, json_schema, or
+    vLLM's structural_tag."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise ValueError("response_format must be an object with a 'type'")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("response_format.json_schema must be an object with a 'schema'")
+        schema = spec.get("schema", spec.get("json_schema"))
+        if schema is None:  # OpenAI allows it; any JSON object then
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema)
+    if kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag={k: v for k, v in fmt.items() if k != "type"})
+    raise ValueError(f"response_format.type must be text, json_object, json_schema or structural_tag, got {kind!r}")
 
 
 class CompletionRequest(_SamplingFields):
@@ -172,13 +221,13 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    response_format: dict[str, Any] | None = Field(default=None)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens, logprobs)

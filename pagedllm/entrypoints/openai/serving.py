@@ -7,13 +7,15 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.chat import render_chat
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.tool_parsers import StreamingToolCalls, ToolCall, get_tool_parser
+from pagedllm.entrypoints.openai.tools import ToolChoice, resolve_tool_choice
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -137,8 +139,11 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str, trust_request_chat_template: bool = False):
+    def __init__(self, llm: AsyncLLM, served_model_name: str, trust_request_chat_template: bool = False,
+                 tool_call_parser: str | None = None):  # fmt: skip
         self.llm = llm
+        # Set only with --enable-auto-tool-choice: tool_choice "auto" needs it.
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.engine.max_model_len
@@ -294,21 +299,37 @@ class OpenAIServing:
             raise ValueError("this model has no tokenizer, so it cannot chat")
         req.check_supported()
         self._check_priority(req.priority)
+        tools = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser is not None)
         prompt_ids = await self.render_chat(
             req.messages,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            tools=tools.tools if tools is not None else None,
         )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")
         params = req.to_sampling_params(self.max_model_len - len(prompt_ids))
+        constraint = tools.constraint() if tools is not None else None
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise ValueError(f"tool_choice {tools.mode} cannot be combined with another output constraint "
+                                 "(response_format, structured_outputs, guided_*)")  # fmt: skip
+            try:
+                await self.llm.run_in_worker(self.llm.engine.structured.validate, constraint)
+            except ValueError as e:
+                raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({e})") from e
+            params = replace(params, structured_outputs=constraint)
+        if tools is not None and tools.mode == "none":
+            tools = None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid, req.priority)
         if req.stream:
-            return _aborting_on_exit(self.llm, [rid], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids)))
+            return _aborting_on_exit(
+                self.llm, [rid], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids), tools)
+            )
         choices = [_Choice() for _ in range(params.n)]
         cached_tokens = 0
         async for _, out in _merge(streams):
@@ -316,12 +337,19 @@ class OpenAIServing:
             cached_tokens = out.num_cached_tokens
         data = []
         for idx, ch in enumerate(choices):
+            message: dict[str, Any] = {"role": "assistant", "content": ch.text}
+            finish_reason = ch.finish_reason
+            calls = self._tool_calls(tools, ch.text) if ch.finish_reason != "length" else None
+            if calls:
+                content = self.tool_parser.extract(ch.text)[0] if tools.mode == "auto" else None
+                message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+                finish_reason = "tool_calls"
             data.append(
                 {
                     "index": idx,
-                    "message": {"role": "assistant", "content": ch.text},
+                    "message": message,
                     "logprobs": self._chat_logprobs(ch.token_ids, ch.logprobs, params.logprobs) if params.logprobs is not None else None,
-                    "finish_reason": ch.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": ch.stop_reason,
                 }
             )
@@ -334,7 +362,15 @@ class OpenAIServing:
             "usage": _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in choices), cached_tokens),
         }
 
-    async def _chat_stream(self, req, params, stream, rid, created, num_prompt_tokens) -> AsyncIterator[str]:
+    def _tool_calls(self, tools: ToolChoice | None, text: str) -> list[ToolCall] | None:
+        """The tool calls in a choice's complete text (None when it made none)."""
+        if tools is None:
+            return None
+        if tools.mode == "auto":
+            return self.tool_parser.extract(text)[1] or None
+        return tools.calls(text) or None
+
+    async def _chat_stream(self, req, params, stream, rid, created, num_prompt_tokens, tools=None) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> str:
@@ -349,15 +385,24 @@ class OpenAIServing:
                 with_usage=include_usage,
             )
         completion_tokens = 0
+        calls = [_ToolStream(tools, self.tool_parser) for _ in range(params.n)] if tools is not None else None
         async for out in stream:
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
                 logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs) if params.logprobs is not None else None
-                delta = {"content": c.text} if (c.text or c.finish_reason is None) else {}
+                finish_reason = c.finish_reason
+                if calls is None:
+                    delta = {"content": c.text} if (c.text or c.finish_reason is None) else {}
+                else:
+                    delta, made_calls = calls[c.index].delta(c.text, c.finish_reason)
+                    if made_calls:
+                        finish_reason = "tool_calls"
+                    if not delta and finish_reason is None and logprobs is None:
+                        continue
                 yield chunk(
-                    [{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                    [{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
                     with_usage=include_usage,
                 )
         if include_usage:
@@ -385,6 +430,49 @@ class OpenAIServing:
             ch.logprobs += c.logprobs or []
             if c.finish_reason is not None:
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+
+
+class _ToolStream:
+    """One streamed choice of a request with tools: text deltas in, OpenAI deltas out.
+
+    A named function streams its arguments as they come; "required" sends its calls when the
+    reply is complete; "auto" sends text as content until the parser sees a call start, then
+    the calls at the end.
+    """
+
+    def __init__(self, tools: ToolChoice, parser: Any):
+        self.tools = tools
+        self.auto = StreamingToolCalls(parser) if tools.mode == "auto" else None
+        self.text = ""
+        self.call: ToolCall | None = None  # the named call being streamed
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], bool]:
+        """(delta, whether the choice made tool calls)."""
+        self.text += text
+        done = finish_reason is not None
+        if self.tools.mode == "named":
+            made = done and finish_reason != "length"
+            if self.call is None:
+                self.call = ToolCall(self.tools.name or "", "")
+                first = {**self.call.to_openai(0)}
+                first["function"] = {"name": self.call.name, "arguments": text}
+                return {"tool_calls": [first]}, made
+            return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), made
+        if self.auto is not None:
+            content = self.auto.feed(text)
+            if not done:
+                return ({"content": content} if content else {}), False
+            rest, calls = self.auto.finish()
+            delta: dict[str, Any] = {"content": content + rest} if content + rest else {}
+            if calls and finish_reason != "length":
+                delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
+            return delta, bool(calls) and finish_reason != "length"
+        if not done:  # required: the calls are sent whole at the end
+            return {}, False
+        calls = self.tools.calls(self.text) if finish_reason != "length" else None
+        if not calls:
+            return {"content": self.text}, False
+        return {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, True
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

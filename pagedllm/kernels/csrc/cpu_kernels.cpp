@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 #include <algorithm>
 #include <omp.h>
@@ -57,6 +58,8 @@ void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int6
 void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
                   const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width);
 void silu_and_mul_f32(float* out, const float* gate_up, int64_t T, int64_t I, int nthreads);
+void apply_token_bitmask_f32(float* logits, int64_t logits_stride, const int64_t* rows, int64_t num_rows,
+                             const int32_t* bitmask, int64_t bitmask_stride, int64_t vocab, int nthreads);
 int decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, const int32_t* layer_qtypes,
                       int64_t num_layers, const float* final_norm, float eps, int64_t T, int64_t hidden,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
@@ -717,6 +720,31 @@ void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key
                        long(slot_mapping[t]), long(num_slots));
         std::memcpy(key_cache + slot_mapping[t] * width, k + t * row_stride, sizeof(float) * width);
         std::memcpy(value_cache + slot_mapping[t] * width, v + t * row_stride, sizeof(float) * width);
+    }
+}
+
+// logits[rows[r], t] = -inf where bit t % 32 of bitmask[r, t / 32] is clear (structured outputs).
+// Grammar masks are mostly whole words: all-allowed words are skipped, all-banned ones filled.
+void apply_token_bitmask_f32(float* logits, int64_t logits_stride, const int64_t* rows, int64_t num_rows,
+                             const int32_t* bitmask, int64_t bitmask_stride, int64_t vocab, int nthreads) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const int64_t words = (vocab + 31) / 32;
+#pragma omp parallel for num_threads(nthreads) if (num_rows >= 8) schedule(static)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float* row = logits + rows[r] * logits_stride;
+        const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask + r * bitmask_stride);
+        for (int64_t w = 0; w < words; w++) {
+            const uint32_t bits = mask[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            const int64_t base = w * 32;
+            const int64_t n = std::min<int64_t>(32, vocab - base);
+            if (bits == 0) {
+                for (int64_t i = 0; i < n; i++) row[base + i] = neg_inf;
+                continue;
+            }
+            for (int64_t i = 0; i < n; i++)
+                if (!((bits >> i) & 1u)) row[base + i] = neg_inf;
+        }
     }
 }
 

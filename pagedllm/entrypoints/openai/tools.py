@@ -1,0 +1,117 @@
+"""OpenAI tool calling: check ``tools`` and ``tool_choice``, and turn a forced choice into a
+grammar.
+
+``tool_choice``:
+- ``"none"``: the model answers in text (the template still sees the tools);
+- ``"auto"`` (the default when tools are given): the model may call tools in its own format,
+  found by the server's ``--tool-call-parser`` (needs ``--enable-auto-tool-choice``);
+- ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}``
+  objects, one schema per tool (one call when ``parallel_tool_calls`` is false);
+- ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
+  parameter schema and is N's arguments.
+So a forced call is valid against its tool's schema whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.entrypoints.openai.tool_parsers import ToolCall
+from pagedllm.sampling_params import StructuredOutputsParams
+
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolChoice:
+    mode: str  # none | auto | required | named
+    tools: list[dict[str, Any]]  # each {"type": "function", "function": {name, description?, parameters?}}
+    name: str | None = None  # the named function
+    parallel: bool = True
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar a forced choice needs (None for none/auto)."""
+        if self.mode == "named":
+            return StructuredOutputsParams(json=self._parameters(self.name))
+        if self.mode != "required":
+            return None
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                               "parameters": self._parameters(t["function"]["name"])},  # fmt: skip
+                "required": ["name", "parameters"],
+            }
+            for t in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items} if len(items) > 1 else items[0]}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema)
+
+    def _parameters(self, name: str | None) -> dict[str, Any]:
+        for t in self.tools:
+            if t["function"]["name"] == name:
+                return t["function"].get("parameters") or _EMPTY_PARAMETERS
+        raise KeyError(name)
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """The calls in a forced choice's (grammar-shaped) output; None if it is incomplete."""
+        if self.mode == "named":
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return [ToolCall(self.name or "", text.strip())]
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """ValueError naming the problem unless ``tools`` is a list of OpenAI function tools."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        if name in names:
+            raise ValueError(f"tools[{i}].function.name {name!r} is given twice")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def resolve_tool_choice(tools: Any, tool_choice: Any, parallel: bool, auto_enabled: bool) -> ToolChoice | None:
+    """The request's ToolChoice (None without tools); ValueError for what cannot be honoured."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools")
+        return None
+    tools = check_tools(tools)
+    choice = tool_choice if tool_choice is not None else "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError("tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        return ToolChoice("named", tools, name, parallel)
+    if choice not in ("none", "auto", "required"):
+        raise ValueError(f"tool_choice must be none, auto, required or a named function, got {choice!r}")
+    if choice == "auto" and not auto_enabled:
+        raise ValueError('"auto" tool choice needs a server started with --enable-auto-tool-choice and '
+                         "--tool-call-parser (or pass tool_choice \"required\", \"none\" or a named function)")  # fmt: skip
+    return ToolChoice(choice, tools, None, parallel)

@@ -1,0 +1,128 @@
+"""The constraint backend: xgrammar turns a constraint into a token-level automaton.
+
+Two stages, as xgrammar has them. ``parse`` checks a constraint without a tokenizer (a
+millisecond: the server calls it before a request is queued, so a bad schema, regex or
+grammar is a 400). ``compile`` builds the token masks for this model's vocabulary (up to
+about a second for a big schema, cached by xgrammar's compiler, run off the engine thread).
+A ``GrammarMatcher`` per sequence then walks the automaton as tokens are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pagedllm.sampling_params import StructuredOutputsParams
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+COMPILE_CACHE_BYTES = 256 << 20
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def _message(error: BaseException) -> str:
+    return _CPP_PREFIX.sub("", str(error).strip()).strip() or type(error).__name__
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """A grammar whose sentences are exactly ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _structural_tag_args(tag: dict | str) -> tuple[Any, ...]:
+    """vLLM's legacy form ({"structures": [{begin, schema, end}], "triggers": [...]}) as
+    xgrammar's (items, triggers); anything else is passed on as xgrammar's own JSON format."""
+    import xgrammar as xgr
+
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from e
+    if not isinstance(tag, dict):
+        raise ValueError("structured_outputs.structural_tag must be a JSON object")
+    if "structures" in tag:
+        try:
+            items = [
+                xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                for s in tag["structures"]
+            ]
+            return items, list(tag["triggers"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"structured_outputs.structural_tag: each structure needs begin, schema, end; "
+                             f"and triggers are required ({e})") from e  # fmt: skip
+    return (json.dumps(tag),)
+
+
+def parse(params: StructuredOutputsParams) -> None:
+    """Raise ValueError naming the problem if the constraint is not valid (no tokenizer needed)."""
+    import xgrammar as xgr
+
+    kind = params.kind
+    try:
+        if kind == "json":
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            if isinstance(params.json, str):
+                try:
+                    json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"the schema is not valid JSON ({e})") from e
+            xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(params.regex)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(params.grammar)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(*_structural_tag_args(params.structural_tag))
+    except ValueError as e:
+        raise ValueError(f"invalid structured_outputs.{kind}: {_message(e)}") from e
+    except Exception as e:  # xgrammar reports parse errors as RuntimeError
+        raise ValueError(f"invalid structured_outputs.{kind}: {_message(e)}") from e
+
+
+class XgrammarBackend:
+    """Compiles constraints for one tokenizer and vocabulary, and makes matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_limit_bytes=COMPILE_CACHE_BYTES)
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+
+    @property
+    def bitmask_width(self) -> int:
+        """int32 words per row of a token bitmask (bit t % 32 of word t // 32 allows token t)."""
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """A CompiledGrammar (xgrammar's compiler caches them by constraint)."""
+        c = self.compiler
+        kind = params.kind
+        try:
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                return c.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
+            if kind == "json_object":  # any object (xgrammar's builtin JSON grammar allows any value)
+                return c.compile_json_schema(_ANY_OBJECT, any_whitespace=not params.disable_any_whitespace)
+            if kind == "regex":
+                return c.compile_regex(params.regex)
+            if kind == "grammar":
+                return c.compile_grammar(params.grammar)
+            if kind == "choice":
+                return c.compile_grammar(choice_ebnf(params.choice))
+            return c.compile_structural_tag(*_structural_tag_args(params.structural_tag))
+        except Exception as e:
+            raise ValueError(f"invalid structured_outputs.{kind}: {_message(e)}") from e
+
+    def matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, matchers: list[Any], bitmask: Any) -> None:
+        """Row i of ``bitmask`` (an int32 tensor) gets the tokens ``matchers[i]`` allows next."""
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)

@@ -1,0 +1,204 @@
+"""Structured outputs through the engine, on a tiny random model with the real tokenizer.
+
+A random model has no idea what JSON is, so every valid output here is the grammar's doing;
+the real model's acceptance run is in test_real_model.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from pydantic import BaseModel, Field
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output import backend as xgr_backend
+from tests.structured_output.grammars import (
+    ARITH_EBNF,
+    BOUNDED_ARITH_EBNF,
+    CHOICES,
+    DATE_REGEX,
+    EMAIL_REGEX,
+    PERSON_SCHEMA,
+    fullmatch,
+    valid_arith,
+    valid_json,
+    valid_json_object,
+)
+
+PROMPTS = [f"Request {i}: answer in the required format." for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_tok):
+    return LLM(str(tiny_llama_tok), dtype="float32", max_num_seqs=16, num_kv_blocks=256, log_stats_interval=1e9)
+
+
+CASES = [
+    (StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True), lambda t: valid_json(t, PERSON_SCHEMA)),
+    (StructuredOutputsParams(regex=DATE_REGEX), lambda t: fullmatch(DATE_REGEX, t)),
+    (StructuredOutputsParams(regex=EMAIL_REGEX), lambda t: fullmatch(EMAIL_REGEX, t)),
+    (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES),
+    (StructuredOutputsParams(grammar=BOUNDED_ARITH_EBNF), valid_arith),
+]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["json", "date", "email", "choice", "ebnf"])
+def test_every_output_fits_its_constraint(llm, case, temperature):
+    constraint, check = CASES[case]
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=200, structured_outputs=constraint)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs), [(o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+    assert all(check(t) for t in texts), texts
+    # The random model left alone fits none of them (so the constraint did the work).
+    free = llm.generate(PROMPTS, SamplingParams(temperature=temperature, seed=7, max_tokens=40), use_tqdm=False)
+    assert not any(check(o.outputs[0].text) for o in free)
+
+
+def test_json_object_is_an_object_as_far_as_it_goes(llm):
+    """Any object is unbounded (a random model may write one key forever): every output is an
+    object's beginning, and every one that ended is a whole object."""
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json_object=True, disable_any_whitespace=True))  # fmt: skip
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert all(o.text.startswith("{") for o in outs), [o.text for o in outs]
+    assert all(valid_json_object(o.text) for o in outs if o.finish_reason == "stop")
+
+
+def test_n_samples_each_have_their_own_matcher(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=200,
+                            structured_outputs=StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True))  # fmt: skip
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    texts = [c.text for o in outs for c in o.outputs]
+    assert len(texts) == 9 and all(valid_json(t, PERSON_SCHEMA) for t in texts), texts
+    assert len(set(texts)) > 1  # the samples really differ
+
+
+def test_preemption_chunked_prefill_and_prefix_cache_keep_outputs_valid(tiny_llama_tok):
+    # 12 blocks of 16 tokens for 8 requests that each need 3+: they preempt each other; the
+    # shared prompt prefix comes from the cache; prompts run in chunks of 32 tokens.
+    llm = LLM(str(tiny_llama_tok), dtype="float32", max_num_seqs=8, num_kv_blocks=12, max_num_batched_tokens=32,
+              enable_prefix_caching=True, log_stats_interval=1e9)  # fmt: skip
+    prefix = "Shared context for every request in this test. " * 3
+    prompts = [prefix + f"Question {i}?" for i in range(8)]
+    so = StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True)
+    greedy = SamplingParams(temperature=0, max_tokens=120, structured_outputs=so)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert any(o.num_cached_tokens > 0 for o in outs)
+    assert all(valid_json(o.outputs[0].text, PERSON_SCHEMA) for o in outs), [o.outputs[0].text for o in outs]
+    # Preemption recomputes K/V only: the same requests alone give the same text.
+    roomy = LLM(str(tiny_llama_tok), dtype="float32", max_num_seqs=8, num_kv_blocks=256, log_stats_interval=1e9)
+    alone = roomy.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in alone]
+
+
+def test_constrained_rows_do_not_change_free_rows(llm):
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:3], free, use_tqdm=False)
+    so = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(grammar=BOUNDED_ARITH_EBNF))
+    mixed = llm.generate(PROMPTS[:3] + PROMPTS[3:], [free] * 3 + [so] * 3, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_grammar_end_stops_the_request_even_with_ignore_eos(llm):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, min_tokens=5,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))  # fmt: skip
+    out = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for o in out:
+        assert o.outputs[0].text in ("yes", "no") and o.outputs[0].finish_reason == "stop"
+        assert len(o.outputs[0].token_ids) < 50
+
+
+def test_pydantic_model_and_string_schema(llm):
+    class Point(BaseModel):
+        x: int = Field(ge=-100, le=100)
+        y: int = Field(ge=0, le=9)
+        label: str = Field(max_length=8)
+
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=80,
+                       structured_outputs=StructuredOutputsParams(json=Point, disable_any_whitespace=True)), use_tqdm=False)  # fmt: skip
+    for o in out:
+        Point.model_validate_json(o.outputs[0].text)
+    assert StructuredOutputsParams(json='{"type": "integer"}').kind == "json"
+
+
+@pytest.mark.parametrize(
+    "constraint, problem",
+    [
+        (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "nonsense"),
+        (dict(json='{"type": "object",'), "JSON"),
+        (dict(regex="a(b"), "parenthesis"),
+        (dict(grammar="root ::= undefined_rule"), "undefined_rule"),
+        (dict(grammar='root ::= "a" |'), "structured_outputs.grammar"),
+    ],
+)
+def test_bad_constraints_are_refused_before_queueing(llm, constraint, problem):
+    with pytest.raises(ValueError, match=problem):
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regexp": "a"})
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.regex == "a+"
+
+
+def test_waiting_for_a_grammar_holds_up_no_one(llm, monkeypatch):
+    """The grammar compiles in a worker thread; meanwhile other requests run to the end."""
+    release = threading.Event()
+    compile_ = xgr_backend.XgrammarBackend.compile
+
+    def slow_compile(self, params):
+        assert threading.current_thread() is not threading.main_thread()
+        release.wait(30)
+        return compile_(self, params)
+
+    monkeypatch.setattr(xgr_backend.XgrammarBackend, "compile", slow_compile)
+    engine = llm.llm_engine
+    slow = engine.add_request("a", SamplingParams(temperature=0, max_tokens=20,
+                              structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-held")))  # fmt: skip
+    fast = engine.add_request("b", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    done = {}
+    for _ in range(50):
+        for out in engine.step():
+            done[out.request_id] = out
+        if fast in done:
+            break
+    assert fast in done and slow not in done
+    release.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert fullmatch("[0-9]{3}-held", done[slow].outputs[0].text)
+
+
+def test_abort_while_compiling_and_a_failed_compile(llm, monkeypatch):
+    release = threading.Event()
+    compile_ = xgr_backend.XgrammarBackend.compile
+
+    def gated(self, params):
+        release.wait(30)
+        if params.regex == "fails":
+            raise ValueError("invalid structured_outputs.regex: injected")
+        return compile_(self, params)
+
+    monkeypatch.setattr(xgr_backend.XgrammarBackend, "compile", gated)
+    engine = llm.llm_engine
+    aborted = engine.add_request("a", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+x")))
+    failing = engine.add_request("b", SamplingParams(structured_outputs=StructuredOutputsParams(regex="fails")))
+    outs = {o.request_id: o for o in engine.abort_request(aborted)}
+    assert outs[aborted].outputs[0].finish_reason == "abort"
+    release.set()
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert outs[failing].outputs[0].finish_reason == "error" and "injected" in outs[failing].error
