@@ -18,11 +18,20 @@ from pagedllm.sampling_params import StructuredOutputsParams
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 COMPILE_CACHE_BYTES = 256 << 20
+# Free whitespace between JSON tokens is capped: enough for pretty-printed JSON nested ten
+# deep, and no room for a small model to loop on blank space forever (as they do uncapped).
+MAX_JSON_WHITESPACE = 24
 _ANY_OBJECT = '{"type": "object"}'
 
 
 def _message(error: BaseException) -> str:
     return _CPP_PREFIX.sub("", str(error).strip()).strip() or type(error).__name__
+
+
+def _whitespace(params: StructuredOutputsParams) -> dict[str, Any]:
+    if params.disable_any_whitespace:
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -68,7 +77,7 @@ def parse(params: StructuredOutputsParams) -> None:
                     json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"the schema is not valid JSON ({e})") from e
-            xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
+            xgr.Grammar.from_json_schema(schema, **_whitespace(params))
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
@@ -78,9 +87,9 @@ def parse(params: StructuredOutputsParams) -> None:
         elif kind == "structural_tag":
             xgr.Grammar.from_structural_tag(*_structural_tag_args(params.structural_tag))
     except ValueError as e:
-        raise ValueError(f"invalid structured_outputs.{kind}: {_message(e)}") from e
+        raise ValueError(f"structured_outputs.{kind} is invalid: {_message(e)}") from e
     except Exception as e:  # xgrammar reports parse errors as RuntimeError
-        raise ValueError(f"invalid structured_outputs.{kind}: {_message(e)}") from e
+        raise ValueError(f"structured_outputs.{kind} is invalid: {_message(e)}") from e
 
 
 class XgrammarBackend:
@@ -107,9 +116,9 @@ class XgrammarBackend:
         try:
             if kind == "json":
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                return c.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
+                return c.compile_json_schema(schema, **_whitespace(params))
             if kind == "json_object":  # any object (xgrammar's builtin JSON grammar allows any value)
-                return c.compile_json_schema(_ANY_OBJECT, any_whitespace=not params.disable_any_whitespace)
+                return c.compile_json_schema(_ANY_OBJECT, **_whitespace(params))
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "grammar":
@@ -118,7 +127,7 @@ class XgrammarBackend:
                 return c.compile_grammar(choice_ebnf(params.choice))
             return c.compile_structural_tag(*_structural_tag_args(params.structural_tag))
         except Exception as e:
-            raise ValueError(f"invalid structured_outputs.{kind}: {_message(e)}") from e
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_message(e)}") from e
 
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)

@@ -189,7 +189,7 @@ def test_abort_while_compiling_and_a_failed_compile(llm, monkeypatch):
     def gated(self, params):
         release.wait(30)
         if params.regex == "fails":
-            raise ValueError("invalid structured_outputs.regex: injected")
+            raise ValueError("structured_outputs.regex is invalid: injected")
         return compile_(self, params)
 
     monkeypatch.setattr(xgr_backend.XgrammarBackend, "compile", gated)

@@ -70,7 +70,10 @@ def error_response(
 def _param_of(message: str) -> str | None:
     """Our ValueErrors start with the offending field's name."""
     word = message.split(" ", 1)[0].strip("'\":,")
-    return word if word in _FIELDS else None
+    if word in _FIELDS:
+        return word
+    head = word.split(".", 1)[0].split("[", 1)[0]  # "tools[0].function.name" -> "tools"
+    return head if head in _FIELDS else None
 
 
 async def _send_error(send: Any, status: int, message: str, type_: str) -> None:

@@ -112,6 +112,7 @@ def resolve_tool_choice(tools: Any, tool_choice: Any, parallel: bool, auto_enabl
     if choice not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be none, auto, required or a named function, got {choice!r}")
     if choice == "auto" and not auto_enabled:
-        raise ValueError('"auto" tool choice needs a server started with --enable-auto-tool-choice and '
-                         "--tool-call-parser (or pass tool_choice \"required\", \"none\" or a named function)")  # fmt: skip
+        raise ValueError('tool_choice "auto" (the default with tools) needs a server started with '
+                         "--enable-auto-tool-choice and --tool-call-parser; or pass tool_choice \"required\", "
+                         "\"none\" or a named function")  # fmt: skip
     return ToolChoice(choice, tools, None, parallel)
