@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
 
     prefix_cache.add_args(pc)
     pc.set_defaults(func=lambda a: prefix_cache.run(a, engine_config_from_args(a).to_dict()) and 0)
+    so = bench.add_parser("structured", help="structured outputs: validity of constrained outputs, and their cost per step")
+    add_engine_args(so)
+    from pagedllm.bench import structured
+
+    structured.add_args(so)
+    so.set_defaults(func=lambda a: structured.run(a, engine_config_from_args(a).to_dict()) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
