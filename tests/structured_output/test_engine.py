@@ -202,3 +202,20 @@ def test_abort_while_compiling_and_a_failed_compile(llm, monkeypatch):
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step()})
     assert outs[failing].outputs[0].finish_reason == "error" and "injected" in outs[failing].error
+
+
+def test_structural_tags_in_both_forms(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    # (A regex inside: xgrammar's JSON inside tags has uncapped whitespace, endless for a random model.)
+    tag = {"type": "structural_tag",
+           "format": {"type": "tag", "begin": "<answer>", "content": {"type": "regex", "pattern": "[0-9]{1,3}"},
+                      "end": "</answer>"}}  # fmt: skip
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=60, structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    for o in llm.generate(PROMPTS[:3], params, use_tqdm=False):
+        assert fullmatch("<answer>[0-9]{1,3}</answer>", o.outputs[0].text), o.outputs[0].text
+    # vLLM's form: free text, but whatever follows a trigger is the tagged JSON.
+    legacy = {"structures": [{"begin": "<fn>", "schema": schema, "end": "</fn>"}], "triggers": ["<fn>"]}
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(structural_tag=legacy))
+    assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="structural_tag"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag={"structures": [{}]})))
