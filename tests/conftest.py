@@ -16,6 +16,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[model_type]
     kwargs = dict(
         vocab_size=256,
@@ -37,6 +39,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "gemma3_text": transformers.Gemma3ForCausalLM,
     }[model_type]
     model = model_cls(config).eval()
     # Random init gives near-uniform logits; sharpen them so greedy decoding has clear winners.

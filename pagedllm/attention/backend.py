@@ -50,7 +50,8 @@ class AttentionBackend(ABC):
 
     Shapes: ``q`` [num_tokens, num_heads, head_dim]; ``k``/``v`` [num_tokens, num_kv_heads,
     head_dim]; each cache [num_blocks, block_size, num_kv_heads, head_dim]. Returns
-    [num_tokens, num_heads, head_dim]. Causal: a query at context position p sees 0..p.
+    [num_tokens, num_heads, head_dim]. Causal: a query at context position p sees 0..p, or with a
+    sliding ``window`` only p - window + 1..p (as transformers' sliding-window mask).
     """
 
     name: str
@@ -78,6 +79,7 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 

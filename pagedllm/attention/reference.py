@@ -18,7 +18,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 class ReferenceAttention(AttentionBackend):
     name = "reference"
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None):
         self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         group = q.shape[1] // key_cache.shape[2]
@@ -33,7 +33,10 @@ class ReferenceAttention(AttentionBackend):
             # Query row r sits at context position ctx_len - q_len + r.
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
             k_pos = torch.arange(ctx_len, device=q.device)[None, :]
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            hidden = k_pos > q_pos
+            if window is not None:
+                hidden |= k_pos <= q_pos - window
+            scores = scores.masked_fill(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, vi).to(q.dtype)
             start += q_len

@@ -17,7 +17,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 class TorchSDPAAttention(AttentionBackend):
     name = "torch_sdpa"
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None):
         self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -31,7 +31,10 @@ class TorchSDPAAttention(AttentionBackend):
             # [nd, nb, bs, Hkv, D] -> [nd, Hkv, nb*bs, D]
             kd = key_cache[table].flatten(1, 2).transpose(1, 2)
             vd = value_cache[table].flatten(1, 2).transpose(1, 2)
-            mask = torch.arange(nb * block_size, device=q.device)[None, :] < meta.seq_lens[:nd, None]
+            pos = torch.arange(nb * block_size, device=q.device)[None, :]
+            mask = pos < meta.seq_lens[:nd, None]
+            if window is not None:  # the query sits at seq_len - 1
+                mask &= pos >= meta.seq_lens[:nd, None] - window
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim).to(kd.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale)
             out[:nd] = od.reshape(nd, num_heads, head_dim).to(q.dtype)
@@ -44,13 +47,16 @@ class TorchSDPAAttention(AttentionBackend):
             vi = value_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
             qi = q[start : start + q_len].transpose(0, 1).to(ki.dtype)  # [H, q_len, D]
             # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow "math" kernel (5x).
-            if q_len == ctx_len:
+            if q_len == ctx_len and window is None:
                 oi = F.scaled_dot_product_attention(
                     qi[None], ki[None], vi[None], is_causal=True, scale=scale, enable_gqa=group > 1
                 )
             else:
                 q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-                mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
+                k_pos = torch.arange(ctx_len, device=q.device)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
                 oi = F.scaled_dot_product_attention(
                     qi[None], ki[None], vi[None], attn_mask=mask, scale=scale, enable_gqa=group > 1
                 )

@@ -16,6 +16,7 @@ from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
 from pagedllm.kernels.ops import native_available
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.registry import model_class
 from pagedllm.model.loader import ModelSource, load_weights, resolve_model
 from pagedllm.runner.model_runner import kv_block_bytes
 from pagedllm.tokenizer import load_tokenizer
@@ -48,7 +49,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
     dtype = config.torch_dtype
-    model = LlamaForCausalLM.from_hf_state_dict(arch, state, dtype, max_model_len)
+    model = model_class(arch).from_hf_state_dict(arch, state, dtype, max_model_len)
     del state
     if config.packed_weights and packed and native_available():
         if dtype == torch.float32:

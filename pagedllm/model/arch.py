@@ -9,9 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Architectures the Llama implementation serves. Mistral is Llama with another name;
-# Qwen2 adds a bias to the q/k/v projections.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Architectures pagedllm serves. The Llama implementation (model/llama.py) serves the first
+# four: Mistral is Llama with a sliding window, Qwen2 adds a bias to the q/k/v projections,
+# Qwen3 RMS-normalises each head's q and k. Gemma 3 (model/gemma3.py) differs more.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# Other names of the same architectures (Hugging Face model_type, GGUF general.architecture).
+_ALIASES = {"gemma3_text": "gemma3"}
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass
@@ -35,8 +39,24 @@ class ModelArch:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    # Sliding-window attention: layer i attends only its last ``sliding_window`` positions when
+    # ``layer_types[i]`` is "sliding_attention" (None: every layer is full attention).
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), else rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma), else head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and self.layer_types is not None and self.layer_types[layer] == SLIDING
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def __post_init__(self) -> None:
+        self.architecture = _ALIASES.get(self.architecture, self.architecture)
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; "
@@ -54,6 +74,7 @@ class ModelArch:
         model_type = str(cfg.get("model_type", "")).lower()
         if not model_type and archs:
             model_type = archs[0].lower().removesuffix("forcausallm")
+        model_type = _ALIASES.get(model_type, model_type)
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {model_type or archs!r}; "
@@ -64,6 +85,13 @@ class ModelArch:
         # transformers 5 writes ``rope_parameters`` (with rope_theta inside); 4.x writes
         # ``rope_theta`` and ``rope_scaling`` at the top level.
         rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_local_theta = None
+        if FULL in rope_params:  # one RoPE per layer type (Gemma 3)
+            local = rope_params.get(SLIDING) or {}
+            rope_local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+            rope_params = dict(rope_params[FULL])
+        elif cfg.get("rope_local_base_freq") is not None:
+            rope_local_theta = float(cfg["rope_local_base_freq"])
         rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or rope_params or None
         if scaling is not None:
@@ -75,10 +103,15 @@ class ModelArch:
             elif rope_type != "llama3":
                 raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
         max_pos = int(cfg.get("max_position_embeddings", 4096))
-        # Attention is full (no sliding window); it equals windowed attention up to the window.
+        num_layers = int(cfg["num_hidden_layers"])
         window = cfg.get("sliding_window")
-        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
-            max_pos = min(max_pos, int(window))
+        layer_types = cfg.get("layer_types")
+        if not window or (model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+            window, layer_types = None, None  # Qwen configs name a window they do not use
+        elif layer_types is None:  # Mistral: every layer slides
+            layer_types = [SLIDING] * num_layers
+        if layer_types is not None and len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -86,7 +119,7 @@ class ModelArch:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
@@ -98,4 +131,10 @@ class ModelArch:
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=model_type in ("qwen3", "gemma3"),
+            hidden_act="gelu_tanh" if model_type == "gemma3" else "silu",
+            sliding_window=int(window) if window else None,
+            layer_types=list(layer_types) if layer_types is not None else None,
+            rope_local_theta=rope_local_theta,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if model_type == "gemma3" else None,
         )

@@ -42,6 +42,9 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | 
     conditions (token count, backend, ``torch_only``) are checked by ``FusedDecoderStack.get``."""
     if load_kernels() is None:
         return "the native kernels are not built"
+    arch = model.arch
+    if arch.qk_norm or arch.sliding_window is not None or arch.hidden_act != "silu" or arch.query_pre_attn_scalar:
+        return f"{arch.architecture} layers (q/k norms, sliding windows, GeGLU, Gemma's scale) are not in the native stack"
     if model.norm.weight.dtype != torch.float32:
         return f"the model computes in {model.norm.weight.dtype}"
     for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):

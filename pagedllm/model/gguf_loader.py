@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from pagedllm.model.arch import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArch
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_TENSORS = {
@@ -31,6 +31,25 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 names its norms after where they sit; llama.cpp's converter stores (1 + w), so the
+# loader subtracts the 1 (as transformers does) and the model adds it back.
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_QWEN3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# transformers' Gemma3TextConfig defaults, which GGUF files do not carry.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -91,12 +110,22 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     vocab = int(_field(reader, f"{arch}.vocab_size", 0) or (len(tokens.data) if tokens else 0))
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    num_layers = int(meta("block_count"))
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        extra = dict(
+            hidden_act="gelu_tanh",
+            sliding_window=int(meta("attention.sliding_window")),
+            layer_types=[SLIDING if (i + 1) % _GEMMA3_SLIDING_PATTERN else FULL for i in range(num_layers)],
+            rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
+            query_pre_attn_scalar=_GEMMA3_QUERY_PRE_ATTN_SCALAR,
+        )
     return ModelArch(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
         head_dim=int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // num_heads),
@@ -107,6 +136,8 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
         qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        **extra,
     )
 
 
@@ -126,11 +157,12 @@ def load_gguf(
     arch = read_gguf_arch(reader, path)
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, tuple[str, torch.Tensor]] = {}
+    layer_tensors = {"gemma3": _GEMMA3_LAYER_TENSORS, "qwen3": _QWEN3_LAYER_TENSORS}.get(arch.architecture, _LAYER_TENSORS)
     for t in reader.tensors:
         name = t.name
         if name.startswith("blk."):
             _, layer, suffix = name.split(".", 2)
-            hf = _LAYER_TENSORS.get(suffix)
+            hf = layer_tensors.get(suffix)
             if hf is None:
                 raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
             hf = f"model.layers.{layer}.{hf}"
@@ -146,6 +178,8 @@ def load_gguf(
         if not array.flags.writeable:  # unquantized tensors are views of the read-only file map
             array = array.copy()
         tensor = torch.from_numpy(array)
+        if arch.architecture == "gemma3" and hf.endswith("norm.weight"):
+            tensor = tensor - 1.0
         blocks = None
         if t.tensor_type.name in PACKED_TYPES and tensor.dim() == 2:
             blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(tensor.shape[0], -1)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened token batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened token batch.
 
 Every step runs all scheduled tokens of all requests as one [num_tokens, hidden] matrix with
 per-token positions; attention goes through the backend, which reads and writes the paged
@@ -7,7 +7,10 @@ KV cache. q/k/v and gate/up are fused into one matmul each.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
@@ -36,7 +39,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, layer: int = 0):
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -45,7 +48,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.scale = arch.attention_scale
+        self.window = arch.sliding_window if arch.is_sliding(layer) else None
+        # Qwen3 / Gemma 3: each head's q and k are RMS-normalised before RoPE.
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(
         self,
@@ -61,27 +68,37 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         rope.forward(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj.forward(out.view(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP: SwiGLU (silu), or GeGLU (tanh-approximated gelu) for Gemma."""
+
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.intermediate_size = arch.intermediate_size
+        self.gelu = arch.hidden_act == "gelu_tanh"
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj.forward(x)
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj.forward(ops.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch)
+        self.self_attn = LlamaAttention(arch, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
@@ -89,15 +106,23 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` fp32 logits."""
 
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, arch: ModelArch, max_positions: int, rope_freqs: torch.Tensor | None = None):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the weights are built on "meta"
             self.rope = RotaryEmbedding(arch, max_positions, rope_freqs)
+            # Gemma 3's sliding layers use another RoPE base (and no scaling).
+            self.rope_local = None
+            if arch.rope_local_theta is not None:
+                self.rope_local = RotaryEmbedding(replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=None), max_positions)
+        self.layer_ropes = [self.rope_local if self.rope_local is not None and arch.is_sliding(i) else self.rope
+                            for i in range(arch.num_layers)]  # fmt: skip
         self.requires_grad_(False)
         self.fused_stack = FusedDecoderStack()  # the one-call decoder for small steps, when eligible
 
@@ -120,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.layers[0].input_layernorm.forward(residual)
         num_layers = len(self.layers)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer.self_attn.forward(x, positions, self.rope, kv_cache, backend, meta)
+            x = layer.self_attn.forward(x, positions, self.layer_ropes[i], kv_cache, backend, meta)
             x = layer.post_attention_layernorm.forward(x, residual)
             x = layer.mlp.forward(x)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < num_layers else self.norm

@@ -27,8 +27,15 @@ VARIANTS = {
         },
     ),
     "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-window": ("mistral", {"sliding_window": 24}),
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 16}),
+    # 6 layers: 5 sliding (window 24) and 1 global, two RoPE bases, Gemma's norms and scale.
+    "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 24,
+                               "tie_word_embeddings": True, "max_position_embeddings": 512}),
 }
+# Where the native dense GEMM keeps no fp32 weight copy (the tied LM head shares the embedding).
+TIED = {"llama-tied", "gemma3"}
 
 
 def oracle_greedy(model, prompt: list[int], max_new: int) -> list[int]:
@@ -38,6 +45,17 @@ def oracle_greedy(model, prompt: list[int], max_new: int) -> list[int]:
         for _ in range(max_new):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def oracle_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities, by full recompute each token."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            lp = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+            ids.append(int(lp.argmax()))
+            logprobs.append(float(lp[ids[-1]]))
+    return ids[len(prompt) :], logprobs
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -54,11 +72,14 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, variant):
     model = llm.llm_engine.runner.model  # the native dense GEMM's panels replace the weights...
     assert model.layers[0].mlp.down_proj.panels is not None and model.layers[0].mlp.down_proj.weight is None
     assert model.lm_head.panels is not None  # ...except the one a tied LM head shares with the embedding
-    assert (model.lm_head.weight is model.embed_tokens.weight) == overrides.get("tie_word_embeddings", False)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == (variant in TIED)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == oracle_greedy(hf, prompt, 12), f"prompt of {len(prompt)} tokens"
+        expected, logprobs = oracle_greedy_logprobs(hf, prompt, 12)
+        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+        got = [entry[t].logprob for t, entry in zip(expected, out.outputs[0].logprobs)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(logprobs), atol=1e-4, rtol=0)
         assert out.outputs[0].text == ""  # no tokenizer files in the directory
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == 64
 
