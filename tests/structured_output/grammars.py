@@ -5,27 +5,25 @@ from __future__ import annotations
 import json
 import re
 
+from pagedllm.bench import structured as bench
 from pagedllm.bench.structured import ARITH_EBNF, DATE_REGEX, EMAIL_REGEX, valid_arith, valid_json
 
 __all__ = ["ARITH_EBNF", "BOUNDED_ARITH_EBNF", "CHOICES", "DATE_REGEX", "EMAIL_REGEX", "PERSON_SCHEMA", "fullmatch",
            "valid_arith", "valid_json", "valid_json_object"]  # fmt: skip
 
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "number", "minimum": -10, "maximum": 10},
-        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 16}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"],
-        },
-    },
-    "required": ["name", "age", "role", "tags", "address"],
-}
+def _shorter_strings(node, limit: int = 12):
+    """The schema with every string capped at ``limit`` characters (a random model fills them)."""
+    if isinstance(node, dict):
+        out = {k: _shorter_strings(v, limit) for k, v in node.items()}
+        if "maxLength" in out:
+            out["maxLength"] = min(out["maxLength"], limit)
+        return out
+    if isinstance(node, list):
+        return [_shorter_strings(v, limit) for v in node]
+    return node
+
+
+PERSON_SCHEMA = _shorter_strings(bench.PERSON_SCHEMA)
 CHOICES = ["positive", "negative", "neutral", 'it "depends"']
 # The same language cut to sentences of at most three terms (a random model never stops the
 # unbounded one); every sentence of it is one of ARITH_EBNF's.
