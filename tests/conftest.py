@@ -17,6 +17,7 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
         "gemma3_text": transformers.Gemma3TextConfig,
     }[model_type]
     kwargs = dict(
@@ -40,6 +41,7 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
     }[model_type]
     model = model_cls(config).eval()

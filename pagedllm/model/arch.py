@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Architectures pagedllm serves. The Llama implementation (model/llama.py) serves the first
-# four: Mistral is Llama with a sliding window, Qwen2 adds a bias to the q/k/v projections,
-# Qwen3 RMS-normalises each head's q and k. Gemma 3 (model/gemma3.py) differs more.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# five: Mistral is Llama with a sliding window, Qwen2 adds a bias to the q/k/v projections,
+# Qwen3 RMS-normalises each head's q and k, Phi-3 ships q/k/v and gate/up already fused.
+# Gemma 3 (model/gemma3.py) differs more.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 # Other names of the same architectures (Hugging Face model_type, GGUF general.architecture).
 _ALIASES = {"gemma3_text": "gemma3"}
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -93,6 +94,9 @@ class ModelArch:
         elif cfg.get("rope_local_base_freq") is not None:
             rope_local_theta = float(cfg["rope_local_base_freq"])
         rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = float(rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
         scaling = cfg.get("rope_scaling") or rope_params or None
         if scaling is not None:
             scaling = dict(scaling)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened token batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a flattened token batch.
 
 Every step runs all scheduled tokens of all requests as one [num_tokens, hidden] matrix with
 per-token positions; attention goes through the backend, which reads and writes the paged
@@ -182,6 +182,8 @@ class LlamaForCausalLM(nn.Module):
                     names = [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
                     if all(n in state for n in names):
                         own[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat([state.pop(n) for n in names])
+                if f"{p}mlp.gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
+                    continue
                 own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
                     [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]
                 )

@@ -30,6 +30,8 @@ VARIANTS = {
     "mistral-window": ("mistral", {"sliding_window": 24}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 16}),
+    # Fused qkv_proj / gate_up_proj in the checkpoint, and (as Phi-3-mini-4k) a sliding window.
+    "phi3": ("phi3", {"sliding_window": 40, "pad_token_id": 0}),
     # 6 layers: 5 sliding (window 24) and 1 global, two RoPE bases, Gemma's norms and scale.
     "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 24,
                                "tie_word_embeddings": True, "max_position_embeddings": 512}),
