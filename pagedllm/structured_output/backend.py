@@ -103,6 +103,26 @@ class XgrammarBackend:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_limit_bytes=COMPILE_CACHE_BYTES)
         self._batch = xgr.BatchGrammarMatcher(max_threads)
+        self.json_safe = self._json_safe_mask()
+
+    def _json_safe_mask(self) -> Any:
+        """One bitmask row allowing every token but those holding a control character JSON
+        never allows raw (U+0000-U+001F except tab, newline, carriage return).
+
+        xgrammar's rule for a length-bounded JSON string is "any character but quote, backslash
+        and newline", which lets such tokens into strings (found by a test: a random model wrote
+        "\x11" into a maxLength string); JSON constraints AND this row into their masks.
+        """
+        import torch
+
+        bad = bytes(set(range(32)) - {9, 10, 13})
+        mask = torch.zeros(self.bitmask_width * 32, dtype=torch.bool)
+        for token, text in enumerate(self.info.decoded_vocab[: self.vocab_size]):
+            mask[token] = not any(b in bad for b in text)
+        mask[len(self.info.decoded_vocab) :] = True
+        bits = mask.view(-1, 32).to(torch.int64) << torch.arange(32)
+        words = bits.sum(dim=1)
+        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
     @property
     def bitmask_width(self) -> int:
@@ -132,6 +152,9 @@ class XgrammarBackend:
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
 
-    def fill_bitmask(self, matchers: list[Any], bitmask: Any) -> None:
-        """Row i of ``bitmask`` (an int32 tensor) gets the tokens ``matchers[i]`` allows next."""
+    def fill_bitmask(self, matchers: list[Any], bitmask: Any, json_rows: list[int] | None = None) -> None:
+        """Row i of ``bitmask`` (an int32 tensor) gets the tokens ``matchers[i]`` allows next;
+        ``json_rows`` (rows under a JSON constraint) also lose JSON-illegal control characters."""
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        if json_rows:
+            bitmask[json_rows] &= self.json_safe

@@ -45,6 +45,7 @@ class StructuredOutputManager:
         self._compiling: dict[tuple, Future] = {}  # constraint key -> its compile, while it runs
         self._held: dict[str, _Held] = {}  # parent request id -> samples waiting for the grammar
         self._matchers: dict[str, Any] = {}  # request id -> its GrammarMatcher
+        self._json: set[str] = set()  # request ids under a JSON constraint (json, json_object)
         self.num_compiled = 0
 
     # ------------------------------------------------------------------ before queueing
@@ -105,8 +106,11 @@ class StructuredOutputManager:
                 continue
             compiled = held.future.result()
             backend = self.backend()
+            is_json = held.samples[0].sampling_params.structured_outputs.kind in ("json", "json_object")
             for req in held.samples:
                 self._matchers[req.request_id] = backend.matcher(compiled)
+                if is_json:
+                    self._json.add(req.request_id)
             self.num_compiled += 1
             ready.append((held.samples, None))
         return ready
@@ -126,7 +130,8 @@ class StructuredOutputManager:
             return None
         backend = self.backend()
         mask = torch.empty(len(ids), backend.bitmask_width, dtype=torch.int32)
-        backend.fill_bitmask([self._matchers[i] for i in ids], mask)
+        json_rows = [row for row, req_id in enumerate(ids) if req_id in self._json]
+        backend.fill_bitmask([self._matchers[i] for i in ids], mask, json_rows)
         return GrammarBitmask({req_id: row for row, req_id in enumerate(ids)}, mask)
 
     def tracks(self, req_id: str) -> bool:
@@ -148,6 +153,7 @@ class StructuredOutputManager:
         """Drop the matchers of ended requests."""
         for req_id in req_ids:
             self._matchers.pop(req_id, None)
+            self._json.discard(req_id)
 
     def shutdown(self) -> None:
         if self._pool is not None:

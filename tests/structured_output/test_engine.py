@@ -219,3 +219,15 @@ def test_structural_tags_in_both_forms(llm):
     assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].finish_reason in ("stop", "length")
     with pytest.raises(ValueError, match="structural_tag"):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag={"structures": [{}]})))
+
+
+def test_json_masks_never_allow_raw_control_characters(llm):
+    """xgrammar lets control characters into length-bounded JSON strings; the JSON rows' masks
+    drop every token holding one (tab, newline and carriage return stay: JSON whitespace)."""
+    backend = llm.llm_engine.structured.backend()
+    tok = llm.get_tokenizer()
+    words = backend.json_safe.tolist()
+    allowed = lambda t: (words[t // 32] >> (t % 32)) & 1  # noqa: E731
+    control = [t for t in range(len(tok)) if any(0 <= ord(c) < 32 and c not in "\t\n\r" for c in tok.decode([t]))]
+    assert control and not any(allowed(t) for t in control)
+    assert all(allowed(t) for t in tok.encode('{"a": [1, 2]}\n\t', add_special_tokens=False))
