@@ -98,11 +98,12 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as one canonical string (with ``kind``, the grammar cache's key)."""
+        """The constraint as one string (with ``kind``, the grammar cache's key). Keys keep
+        their order: a schema's property order is the order the output is written in."""
         value = getattr(self, self.kind) if self.kind != "json_object" else ""
         if isinstance(value, str):
             return value
-        return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return _json.dumps(value, separators=(",", ":"))
 
     @property
     def key(self) -> tuple[str, str, bool]:

@@ -71,7 +71,7 @@ def parse(params: StructuredOutputsParams) -> None:
     kind = params.kind
     try:
         if kind == "json":
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            schema = params.spec
             if isinstance(params.json, str):
                 try:
                     json.loads(schema)
@@ -135,8 +135,7 @@ class XgrammarBackend:
         kind = params.kind
         try:
             if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                return c.compile_json_schema(schema, **_whitespace(params))
+                return c.compile_json_schema(params.spec, **_whitespace(params))
             if kind == "json_object":  # any object (xgrammar's builtin JSON grammar allows any value)
                 return c.compile_json_schema(_ANY_OBJECT, **_whitespace(params))
             if kind == "regex":

@@ -231,3 +231,11 @@ def test_json_masks_never_allow_raw_control_characters(llm):
     control = [t for t in range(len(tok)) if any(0 <= ord(c) < 32 and c not in "\t\n\r" for c in tok.decode([t]))]
     assert control and not any(allowed(t) for t in control)
     assert all(allowed(t) for t in tok.encode('{"a": [1, 2]}\n\t', add_special_tokens=False))
+
+
+def test_property_order_is_part_of_the_grammar_key():
+    """The output follows the schema's property order, so two orders are two grammars."""
+    a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}
+    b = {"type": "object", "properties": {"y": {"type": "integer"}, "x": {"type": "integer"}}}
+    assert StructuredOutputsParams(json=a).key != StructuredOutputsParams(json=b).key
+    assert StructuredOutputsParams(json=a).key == StructuredOutputsParams(json=dict(a)).key

@@ -339,9 +339,8 @@ class OpenAIServing:
         for idx, ch in enumerate(choices):
             message: dict[str, Any] = {"role": "assistant", "content": ch.text}
             finish_reason = ch.finish_reason
-            calls = self._tool_calls(tools, ch.text) if ch.finish_reason != "length" else None
+            content, calls = self._tool_calls(tools, ch.text) if ch.finish_reason != "length" else (None, None)
             if calls:
-                content = self.tool_parser.extract(ch.text)[0] if tools.mode == "auto" else None
                 message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
                 finish_reason = "tool_calls"
             data.append(
@@ -362,13 +361,15 @@ class OpenAIServing:
             "usage": _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in choices), cached_tokens),
         }
 
-    def _tool_calls(self, tools: ToolChoice | None, text: str) -> list[ToolCall] | None:
-        """The tool calls in a choice's complete text (None when it made none)."""
+    def _tool_calls(self, tools: ToolChoice | None, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        """The content outside the calls and the tool calls in a choice's complete text
+        (calls None when it made none)."""
         if tools is None:
-            return None
+            return text, None
         if tools.mode == "auto":
-            return self.tool_parser.extract(text)[1] or None
-        return tools.calls(text) or None
+            content, calls = self.tool_parser.extract(text)
+            return content, calls or None
+        return None, tools.calls(text) or None
 
     async def _chat_stream(self, req, params, stream, rid, created, num_prompt_tokens, tools=None) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
