@@ -1,8 +1,9 @@
 """Compile the native CPU kernels on first use and load them with ctypes.
 
-The shared library is built with the system C++ compiler (``$CXX``, else g++/c++/clang++) for
-this CPU (``-march=native``) and cached under ``~/.cache/pagedllm/kernels`` keyed by the source,
-the flags and the CPU, so later starts load it in milliseconds. It links the OpenMP runtime
+The shared library is built from every ``csrc/*.cpp`` (one file per kernel family, each with
+its own C API block; shared helpers in ``csrc/common.h``) with the system C++ compiler
+(``$CXX``, else g++/c++/clang++) for this CPU (``-march=native``) and cached under
+``~/.cache/pagedllm/kernels`` keyed by the sources, the flags and the CPU, so later starts load it in milliseconds. It links the OpenMP runtime
 torch already loaded (same soname), so kernel threads and torch's threads are one pool.
 
 When there is no compiler or the build fails, ``load_kernels()`` returns None and every
@@ -26,7 +27,17 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_kernels.cpp"  # the core kernels (attention, dense GEMM, layer glue)
+
+
+def sources() -> list[Path]:
+    """Every kernel source file, in a fixed order."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def headers() -> list[Path]:
+    return sorted(CSRC.glob("*.h"))
 # No -ffast-math: GCC links crtfastmath.o for it, which turns on flush-to-zero and
 # denormals-are-zero for the whole process (torch and numpy included). The kernels' hot loops
 # use intrinsics or `omp simd` reductions, so they vectorise without it.
@@ -49,8 +60,10 @@ def _c_type(decl: str):
 
 
 def c_api(source: str) -> dict[str, tuple[object, list[object]]]:
-    """name -> (restype, argtypes) of every prototype between C-API-BEGIN and C-API-END in the
-    kernel source: the one place the C API is written down."""
+    """name -> (restype, argtypes) of every prototype between C-API-BEGIN and C-API-END in a
+    kernel source file: the one place its part of the C API is written down."""
+    if "// C-API-BEGIN" not in source:
+        return {}
     block = source.split("// C-API-BEGIN", 1)[1].split("// C-API-END", 1)[0]
     body = block.split("{", 1)[1].rsplit("}", 1)[0]
     api = {}
@@ -61,6 +74,18 @@ def c_api(source: str) -> dict[str, tuple[object, list[object]]]:
         ret, name, params = m.groups()
         args = [p.strip() for p in params.split(",") if p.strip()]
         api[name] = (_c_type(ret.strip()), [_c_type(re.sub(r"\s*\b\w+$", "", a)) for a in args])
+    return api
+
+
+def full_c_api() -> dict[str, tuple[object, list[object]]]:
+    """The C API of all source files together; a name declared twice is an error."""
+    api: dict[str, tuple[object, list[object]]] = {}
+    for f in sources():
+        part = c_api(f.read_text())
+        twice = api.keys() & part.keys()
+        if twice:
+            raise RuntimeError(f"{f.name} declares {sorted(twice)} again")
+        api.update(part)
     return api
 
 
@@ -94,7 +119,7 @@ def _build(compiler: str, flags: list[str], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, str(SOURCE), "-o", tmp]
+        cmd = [compiler, *flags, *map(str, sources()), "-o", tmp]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
@@ -118,15 +143,14 @@ def build_library(march: str = "native") -> ctypes.CDLL:
     flags = [f"-march={march}", *FLAGS]
     if os.environ.get("PAGEDLLM_KERNEL_DEBUG", "0") == "1":  # every index checked in the kernels
         flags.append("-DPAGEDLLM_DEBUG")
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *flags]).encode() + _cpu_signature().encode()
-    ).hexdigest()[:16]
+    code = b"".join(f.name.encode() + f.read_bytes() for f in [*sources(), *headers()])
+    key = hashlib.sha256(code + " ".join([compiler, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
     path = _cache_dir() / f"cpu_kernels-{key}.so"
     if not path.exists():
         logger.info("building native CPU kernels with %s -march=%s (once per machine)", compiler, march)
         _build(compiler, flags, path)
     lib = ctypes.CDLL(str(path))
-    for name, (restype, argtypes) in c_api(SOURCE.read_text()).items():
+    for name, (restype, argtypes) in full_c_api().items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib

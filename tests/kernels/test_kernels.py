@@ -205,9 +205,9 @@ def test_the_c_api_is_declared_in_one_place():
     exported with the ctypes signature read from it."""
     import subprocess
 
-    from pagedllm.kernels.build import SOURCE, c_api, load_kernels
+    from pagedllm.kernels.build import full_c_api, load_kernels
 
-    api = c_api(SOURCE.read_text())
+    api = full_c_api()
     lib = load_kernels()
     for name, (restype, argtypes) in api.items():
         fn = getattr(lib, name)

@@ -18,19 +18,7 @@
 // -ffast-math: with GCC it would link crtfastmath.o, which flushes denormals to zero for the
 // whole process (torch included).
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
-#include <algorithm>
-#include <omp.h>
-#include <cstdio>
-#include <cstdlib>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#endif
+#include "common.h"
 
 // ============================================================================================
 // The C API: every symbol build.py loads is declared here and only here. build.py reads these
@@ -73,19 +61,6 @@ int pagedllm_debug_checks();
 }
 // C-API-END
 
-// In a -DPAGEDLLM_DEBUG build, every index is checked before use (a failure names it and aborts).
-#ifdef PAGEDLLM_DEBUG
-#define PAGEDLLM_CHECK(cond, ...)                                       \
-    do {                                                                \
-        if (!(cond)) {                                                  \
-            std::fprintf(stderr, "pagedllm kernel check failed: " __VA_ARGS__); \
-            std::fprintf(stderr, "\n");                                 \
-            std::abort();                                               \
-        }                                                               \
-    } while (0)
-#else
-#define PAGEDLLM_CHECK(cond, ...) ((void)0)
-#endif
 
 namespace {
 
@@ -622,6 +597,12 @@ void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float
 }
 
 }  // namespace
+
+// For the other source files (common.h): `rows` rows of x times one panel of `cols` columns.
+void pagedllm_panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                          int64_t rows) {
+    panel_tiles(y, ldy, x, ldx, panel, K, cols, rows);
+}
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W packed by pack_panels.
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
