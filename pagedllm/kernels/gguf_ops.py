@@ -21,6 +21,11 @@ GGUF_TYPES: dict[str, tuple[int, int, int]] = {
 }  # fmt: skip
 
 
+# Up to this many rows the kernel makes one pass over the blocks (memory bound; csrc SMALL_M);
+# above it, it builds fp32 panels on the fly, slower than panels kept in memory when those exist.
+SMALL_ROWS = 6
+
+
 def row_bytes(qtype: str, in_features: int) -> int:
     _, block, size = GGUF_TYPES[qtype]
     if in_features % block:
@@ -46,16 +51,23 @@ def _native_type(qtype: str) -> int | None:
     return type_id if lib.gguf_type_supported(type_id) else None
 
 
-def linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
-    """y = x @ W^T in fp32 for x [M, K], W = ``data`` ([out_features, row_bytes] GGUF blocks)."""
+def linear(
+    x: torch.Tensor, data: torch.Tensor, qtype: str, out_features: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x @ W^T in fp32 for x [M, K], W = ``data`` ([out_features, row_bytes] GGUF blocks).
+
+    ``out``: an fp32 [M, out_features] view to write into (rows may be strided: a column slice
+    of a fused layer's output)."""
     K = x.shape[-1]
     type_id = _native_type(qtype) if x.is_cpu else None
     if type_id is None:
-        return x.float() @ dequantize(data, qtype, K).to(x.device).T
+        y = x.float() @ dequantize(data, qtype, K).to(x.device).T
+        return y if out is None else out.copy_(y)
     x32 = x.to(torch.float32).contiguous()
-    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32) if out is None else out
+    assert y.dtype == torch.float32 and y.shape == (x32.shape[0], out_features) and y.stride(1) == 1
     status = ops.load_kernels().gguf_gemm_f32(
-        y.data_ptr(), out_features, x32.data_ptr(), K, data.data_ptr(), type_id, x32.shape[0], out_features, K,
+        y.data_ptr(), y.stride(0), x32.data_ptr(), K, data.data_ptr(), type_id, x32.shape[0], out_features, K,
         torch.get_num_threads(),
     )
     if status != 0:

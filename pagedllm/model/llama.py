@@ -20,6 +20,11 @@ from pagedllm.model.arch import ModelArch
 from pagedllm.model.fused_stack import FusedDecoderStack
 from pagedllm.model.linear import Linear
 from pagedllm.model.rope import RotaryEmbedding
+from pagedllm.quantization.weights import QuantizedEmbedding, QuantizedWeight, cat_rows, is_quantized, segments, weight_shape
+
+
+# Block types with the tuned grouped small-batch kernel (kernels/reference.py: group_blocks).
+GROUPED_TYPES = ("Q4_1", "Q8_0")
 
 
 class RMSNorm(nn.Module):
@@ -159,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_dense(self) -> int:
         """Give every fp32 linear its panels for the native dense GEMM; returns how many."""
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = self.lm_head.weight is not None and self.lm_head.weight is getattr(self.embed_tokens, "weight", None)
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         return sum(m.pack_dense(keep_weight=tied and m is self.lm_head) for m in linears)
 
@@ -170,9 +175,12 @@ class LlamaForCausalLM(nn.Module):
         """Build the model from Hugging Face-named weights, fusing q/k/v and gate/up.
 
         Parameters are created on the meta device and replaced by the loaded tensors, so no
-        time goes into random initialisation.
+        time goes into random initialisation. A weight may come as a ``QuantizedWeight``
+        (GGUF blocks kept packed): its linear layer then keeps the blocks, a fused layer
+        their row segments (not copied), and the embedding table looks rows up in them.
         """
         state = dict(state)
+        cat = lambda parts: cat_rows(parts, merge=False)  # noqa: E731 (segments keep the file's pages)
         rope_freqs = state.pop("rope_freqs", None)
         own: dict[str, torch.Tensor] = {}
         try:
@@ -181,10 +189,10 @@ class LlamaForCausalLM(nn.Module):
                 for kind in ("weight", "bias"):
                     names = [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
                     if all(n in state for n in names):
-                        own[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat([state.pop(n) for n in names])
+                        own[f"layers.{i}.self_attn.qkv_proj.{kind}"] = cat([state.pop(n) for n in names])
                 if f"{p}mlp.gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
                     continue
-                own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                own[f"layers.{i}.mlp.gate_up_proj.weight"] = cat(
                     [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]
                 )
         except KeyError as e:
@@ -206,34 +214,49 @@ class LlamaForCausalLM(nn.Module):
         if unexpected:
             raise ValueError(f"unexpected model weights {unexpected[:5]}")
         for name, tensor in own.items():
-            if params[name].shape != tensor.shape:
+            if params[name].shape != weight_shape(tensor):
                 raise ValueError(
-                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                    f"weight {name} has shape {tuple(weight_shape(tensor))}, expected {tuple(params[name].shape)}"
                 )
-        model.load_state_dict({k: v.to(dtype).contiguous() for k, v in own.items()}, strict=False, assign=True)
+        quantized = {k: v for k, v in own.items() if is_quantized(v)}
+        dense = {k: v.to(dtype).contiguous() for k, v in own.items() if k not in quantized}
+        model.load_state_dict(dense, strict=False, assign=True)
+        modules = dict(model.named_modules())
+        for name, weight in quantized.items():
+            owner = modules[name.removesuffix(".weight")]
+            if owner is model.embed_tokens:
+                model.embed_tokens = QuantizedEmbedding(weight, dtype)
+            else:
+                owner.set_quant(segments(weight), drop_dense=True)
         if arch.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+            if isinstance(model.embed_tokens, QuantizedEmbedding):
+                model.lm_head.set_quant([model.embed_tokens.qweight], drop_dense=True)
+            else:
+                model.lm_head.weight = model.embed_tokens.weight
         if dtype != torch.float32:
             # Logits in fp32 (bf16 keeps ~3 digits: near-ties would flip on rounding), and the
             # linears in the matmul dtype; both hold the same bf16 values.
-            model.lm_head.weight = nn.Parameter(model.lm_head.weight.float(), requires_grad=False)
+            if model.lm_head.weight is not None:
+                model.lm_head.weight = nn.Parameter(model.lm_head.weight.float(), requires_grad=False)
             wide = matmul_dtype(dtype)
             for module in model.layers.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, Linear) and module.weight is not None:
                     module.weight = nn.Parameter(module.weight.to(wide), requires_grad=False)
         return model
 
     def attach_packed(self, packed: dict[str, tuple[str, torch.Tensor]]) -> int:
-        """Give the linear layers their GGUF blocks (Hugging Face names -> (type, [rows, bytes])).
+        """Give the linear layers their GGUF blocks (Hugging Face names -> (type, [rows, bytes]))
+        for small batches, beside their dense weights.
 
-        Fused layers take the row-wise concatenation of their parts when all parts share one
-        block type; anything else keeps only the dense path. Returns how many layers got blocks.
+        Q4_1 / Q8_0 layers (fused parts all of that type) get the grouped layout of the tuned
+        kernel; any other mix becomes row segments for ``kernels/gguf_ops.py``. Returns how
+        many layers got blocks.
         """
-        def parts(names: list[str]) -> tuple[str, torch.Tensor] | None:
+        def parts(names: list[str], in_features: int) -> list[QuantizedWeight] | None:
             found = [packed.get(n) for n in names]
-            if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+            if any(f is None for f in found):
                 return None
-            return found[0][0], torch.cat([f[1] for f in found])
+            return segments(cat_rows([QuantizedWeight(q, blocks, in_features) for q, blocks in found]))
 
         targets: list[tuple[Linear, list[str]]] = []
         for i, layer in enumerate(self.layers):
@@ -248,8 +271,12 @@ class LlamaForCausalLM(nn.Module):
         targets.append((self.lm_head, [head]))
         count = 0
         for linear, names in targets:
-            found = parts(names)
-            if found is not None:
-                linear.set_packed(found[1], found[0])
-                count += 1
+            found = parts(names, linear.in_features)
+            if found is None:
+                continue
+            if len(found) == 1 and found[0].qtype in GROUPED_TYPES:  # the tuned grouped kernel
+                linear.set_packed(found[0].data, found[0].qtype)
+            else:
+                linear.set_quant(found)
+            count += 1
         return count
