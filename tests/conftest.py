@@ -19,6 +19,7 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
         "gemma3_text": transformers.Gemma3TextConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[model_type]
     kwargs = dict(
         vocab_size=256,
@@ -43,12 +44,13 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "qwen3": transformers.Qwen3ForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[model_type]
     model = model_cls(config).eval()
     # Random init gives near-uniform logits; sharpen them so greedy decoding has clear winners.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: a mixture of experts' stacked expert weights
                 p.mul_(4.0)
     model.save_pretrained(str(path))
     return path

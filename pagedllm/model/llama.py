@@ -77,14 +77,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: SwiGLU (silu), or GeGLU (tanh-approximated gelu) for Gemma."""
+    """Gated MLP: SwiGLU (silu), or GeGLU (tanh-approximated gelu) for Gemma.
 
-    def __init__(self, arch: ModelArch):
+    ``intermediate_size`` overrides the model's (a mixture-of-experts expert is narrower).
+    """
+
+    def __init__(self, arch: ModelArch, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
+        self.intermediate_size = intermediate_size or arch.intermediate_size
         self.gelu = arch.hidden_act == "gelu_tanh"
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
@@ -92,6 +95,13 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj.forward(ops.silu_and_mul(gate_up))
+
+    def packed_targets(self, prefix: str) -> list[tuple[Linear, list[str]]]:
+        """This MLP's linears and the Hugging Face weight names each is the concatenation of."""
+        return [
+            (self.gate_up_proj, [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]),
+            (self.down_proj, [f"{prefix}down_proj.weight"]),
+        ]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -182,11 +192,7 @@ class LlamaForCausalLM(nn.Module):
                     names = [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
                     if all(n in state for n in names):
                         own[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat([state.pop(n) for n in names])
-                if f"{p}mlp.gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
-                    continue
-                own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                    [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]
-                )
+                cls.take_mlp_weights(arch, i, state, own)
         except KeyError as e:
             raise ValueError(f"model weights are missing {e.args[0]}") from e
         for name, tensor in state.items():
@@ -223,6 +229,19 @@ class LlamaForCausalLM(nn.Module):
                     module.weight = nn.Parameter(module.weight.to(wide), requires_grad=False)
         return model
 
+    @classmethod
+    def take_mlp_weights(
+        cls, arch: ModelArch, layer: int, state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+    ) -> None:
+        """Move layer ``layer``'s MLP weights that need fusing from ``state`` (Hugging Face
+        names) into ``own`` (our names); what is left is renamed by dropping ``model.``."""
+        p = f"model.layers.{layer}.mlp."
+        if f"{p}gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
+            return
+        own[f"layers.{layer}.mlp.gate_up_proj.weight"] = torch.cat(
+            [state.pop(f"{p}gate_proj.weight"), state.pop(f"{p}up_proj.weight")]
+        )
+
     def attach_packed(self, packed: dict[str, tuple[str, torch.Tensor]]) -> int:
         """Give the linear layers their GGUF blocks (Hugging Face names -> (type, [rows, bytes])).
 
@@ -238,12 +257,11 @@ class LlamaForCausalLM(nn.Module):
         targets: list[tuple[Linear, list[str]]] = []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.mlp  # a dense MLP or a mixture of experts
             if attn.qkv_proj.bias is None:
                 targets.append((attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]))
             targets.append((attn.o_proj, [f"{p}self_attn.o_proj.weight"]))
-            targets.append((mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]))
-            targets.append((mlp.down_proj, [f"{p}mlp.down_proj.weight"]))
+            targets += mlp.packed_targets(f"{p}mlp.")
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         targets.append((self.lm_head, [head]))
         count = 0

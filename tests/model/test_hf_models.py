@@ -35,9 +35,17 @@ VARIANTS = {
     # 6 layers: 5 sliding (window 24) and 1 global, two RoPE bases, Gemma's norms and scale.
     "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 24,
                                "tie_word_embeddings": True, "max_position_embeddings": 512}),
+    # 3 layers: sparse (8 experts, top 2, renormalised), dense (mlp_only_layers), sparse.
+    "qwen3-moe": ("qwen3_moe", {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # Every other layer sparse (decoder_sparse_step), top 3 weights as the softmax gave them.
+    "qwen3-moe-step": ("qwen3_moe", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 32, "decoder_sparse_step": 2}),
 }
 # Where the native dense GEMM keeps no fp32 weight copy (the tied LM head shares the embedding).
 TIED = {"llama-tied", "gemma3"}
+# Engine settings of a variant: the mixtures of experts also prefill in chunks of 32 tokens.
+ENGINE_ARGS = {"qwen3-moe": {"max_num_batched_tokens": 32}, "qwen3-moe-step": {"max_num_batched_tokens": 32}}
 
 
 def oracle_greedy(model, prompt: list[int], max_new: int) -> list[int]:
@@ -70,9 +78,11 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, variant):
     g = torch.Generator().manual_seed(0)
     # Lengths around and across block boundaries (block_size 16), in one batch.
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 40, 100)]
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9, **ENGINE_ARGS.get(variant, {}))
     model = llm.llm_engine.runner.model  # the native dense GEMM's panels replace the weights...
-    assert model.layers[0].mlp.down_proj.panels is not None and model.layers[0].mlp.down_proj.weight is None
+    mlp = model.layers[-1].mlp
+    mlp = mlp.experts[0] if hasattr(mlp, "experts") else mlp
+    assert mlp.down_proj.panels is not None and mlp.down_proj.weight is None
     assert model.lm_head.panels is not None  # ...except the one a tied LM head shares with the embedding
     assert (model.lm_head.weight is model.embed_tokens.weight) == (variant in TIED)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
