@@ -18,6 +18,7 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
     }[model_type]
@@ -43,6 +44,7 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[model_type]

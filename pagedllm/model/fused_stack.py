@@ -46,8 +46,10 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | 
         return f"{arch.architecture} has mixture-of-experts layers; the native stack runs dense MLPs only"
     if load_kernels() is None:
         return "the native kernels are not built"
-    if arch.qk_norm or arch.sliding_window is not None or arch.hidden_act != "silu" or arch.query_pre_attn_scalar:
-        return f"{arch.architecture} layers (q/k norms, sliding windows, GeGLU, Gemma's scale) are not in the native stack"
+    if (arch.qk_norm or arch.sliding_window is not None or arch.hidden_act != "silu" or arch.query_pre_attn_scalar
+            or arch.attn_logit_softcapping):
+        return (f"{arch.architecture} layers (q/k norms, sliding windows, GeGLU, Gemma's scale, soft-capped "
+                "attention) are not in the native stack")
     if model.norm.weight.dtype != torch.float32:
         return f"the model computes in {model.norm.weight.dtype}"
     for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
