@@ -72,9 +72,8 @@ class ModelArch:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Transformers' rule: sparse unless listed dense or off the ``decoder_sparse_step`` beat."""
-        return (
-            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-        )
+        sparse_beat = (layer + 1) % self.decoder_sparse_step == 0
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and sparse_beat
 
     @property
     def attention_scale(self) -> float:
@@ -94,7 +93,8 @@ class ModelArch:
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
-                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts ({self.num_experts})"
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                    f"num_experts ({self.num_experts})"
                 )
             if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
                 raise ValueError(
@@ -169,7 +169,7 @@ class ModelArch:
             )
         gemma = model_type in ("gemma2", "gemma3")
         if gemma and cfg.get("use_bidirectional_attention"):
-            raise ValueError(f"{model_type} with use_bidirectional_attention is not supported (causal decoders only)")
+            raise ValueError(f"{model_type} with use_bidirectional_attention is not supported (causal only)")
         softcap = {
             k: float(cfg[k]) if gemma and cfg.get(k) is not None else None
             for k in ("attn_logit_softcapping", "final_logit_softcapping")

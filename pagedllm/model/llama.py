@@ -50,7 +50,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = arch.attention_scale
         self.window = arch.sliding_window if arch.is_sliding(layer) else None
-        # Gemma 2 soft-caps the scores; passed only when set, so backends without it still serve the rest.
+        # Gemma 2 soft-caps the scores; passed only when set, so a backend without the option
+        # still serves every other model.
         self.backend_kwargs = {"softcap": arch.attn_logit_softcapping} if arch.attn_logit_softcapping else {}
         # Qwen3 / Gemma 3: each head's q and k are RMS-normalised before RoPE.
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -74,7 +75,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
             k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         rope.forward(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, **self.backend_kwargs)
+        kc, vc = kv_cache
+        out = backend.forward(q, k, v, kc, vc, meta, self.scale, self.window, **self.backend_kwargs)
         return self.o_proj.forward(out.view(n, self.q_size))
 
 

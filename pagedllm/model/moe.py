@@ -100,7 +100,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         num, inter, hidden = arch.num_experts, arch.moe_intermediate_size, arch.hidden_size
         if f"{p}gate_up_proj" in state:  # transformers 5's fused 3-D layout
             gate_up, down = state.pop(f"{p}gate_up_proj"), state.pop(f"{p}down_proj")
-            for name, t, shape in (("gate_up_proj", gate_up, (num, 2 * inter, hidden)), ("down_proj", down, (num, hidden, inter))):
+            expected = {"gate_up_proj": (gate_up, (num, 2 * inter, hidden)), "down_proj": (down, (num, hidden, inter))}
+            for name, (t, shape) in expected.items():
                 if tuple(t.shape) != shape:
                     raise ValueError(f"weight {p}{name} has shape {tuple(t.shape)}, expected {shape}")
             for e in range(num):
@@ -133,7 +134,7 @@ def gguf_moe_tensors(layer: int, suffix: str, tensor: torch.Tensor) -> dict[str,
     if "{e}" not in hf:
         return {p + hf: tensor}
     if tensor.dim() != 3:
-        raise ValueError(f"GGUF tensor blk.{layer}.{suffix} has shape {tuple(tensor.shape)}, expected 3 dimensions")
+        raise ValueError(f"GGUF tensor blk.{layer}.{suffix} has shape {tuple(tensor.shape)}, expected 3-D")
     return {p + hf.format(e=e): tensor[e] for e in range(tensor.shape[0])}
 
 

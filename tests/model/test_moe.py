@@ -75,8 +75,9 @@ def test_routing_weights_follow_transformers_order():
 def hf_state(arch: ModelArch, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under transformers' per-expert names (what save_pretrained writes)."""
     g = torch.Generator().manual_seed(seed)
-    h, q, kv, inter, e_inter = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size, arch.moe_intermediate_size  # fmt: skip
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (arch.vocab_size, h)}
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter, e_inter, vocab = arch.intermediate_size, arch.moe_intermediate_size, arch.vocab_size
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         shapes.update({
@@ -92,8 +93,9 @@ def hf_state(arch: ModelArch, seed: int = 0) -> dict[str, torch.Tensor]:
             continue
         shapes[f"{p}mlp.gate.weight"] = (arch.num_experts, h)
         for e in range(arch.num_experts):
-            shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (e_inter, h), f"{p}mlp.experts.{e}.up_proj.weight": (e_inter, h),
-                           f"{p}mlp.experts.{e}.down_proj.weight": (h, e_inter)})  # fmt: skip
+            x = f"{p}mlp.experts.{e}."
+            shapes.update({f"{x}gate_proj.weight": (e_inter, h), f"{x}up_proj.weight": (e_inter, h),
+                           f"{x}down_proj.weight": (h, e_inter)})  # fmt: skip
     return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
 
 
