@@ -9,17 +9,24 @@ instead. fp32 or bf16 caches on CPU (computing in fp32 either way):
 from __future__ import annotations
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.attention.torch_sdpa import TorchSDPAAttention
 from pagedllm.kernels import ops
 
 _SDPA = TorchSDPAAttention()
+_REFERENCE = ReferenceAttention()
 
 
 class NativeCPUAttention(AttentionBackend):
     name = "cpu_native"
     fused_decoder_stack = True
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None):
+    def forward(
+        self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+        softcap: float | None = None,
+    ):
+        if softcap is not None:  # the kernel has no score soft-capping: the explicit-math path
+            return _REFERENCE.forward(q, k, v, key_cache, value_cache, meta, scale, window, softcap)
         if window is not None and max(meta.seq_lens_list) > window:
             # The kernel has no window yet: sliding layers past their window take the torch path.
             return _SDPA.forward(q, k, v, key_cache, value_cache, meta, scale, window)

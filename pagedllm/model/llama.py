@@ -55,6 +55,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = arch.attention_scale
         self.window = arch.sliding_window if arch.is_sliding(layer) else None
+        # Gemma 2 soft-caps the scores; passed only when set, so a backend without the option
+        # still serves every other model.
+        self.backend_kwargs = {"softcap": arch.attn_logit_softcapping} if arch.attn_logit_softcapping else {}
         # Qwen3 / Gemma 3: each head's q and k are RMS-normalised before RoPE.
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -77,19 +80,23 @@ class LlamaAttention(nn.Module):
             q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
             k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         rope.forward(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        kc, vc = kv_cache
+        out = backend.forward(q, k, v, kc, vc, meta, self.scale, self.window, **self.backend_kwargs)
         return self.o_proj.forward(out.view(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: SwiGLU (silu), or GeGLU (tanh-approximated gelu) for Gemma."""
+    """Gated MLP: SwiGLU (silu), or GeGLU (tanh-approximated gelu) for Gemma.
 
-    def __init__(self, arch: ModelArch):
+    ``intermediate_size`` overrides the model's (a mixture-of-experts expert is narrower).
+    """
+
+    def __init__(self, arch: ModelArch, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
+        self.intermediate_size = intermediate_size or arch.intermediate_size
         self.gelu = arch.hidden_act == "gelu_tanh"
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
@@ -97,6 +104,13 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj.forward(ops.silu_and_mul(gate_up))
+
+    def packed_targets(self, prefix: str) -> list[tuple[Linear, list[str]]]:
+        """This MLP's linears and the Hugging Face weight names each is the concatenation of."""
+        return [
+            (self.gate_up_proj, [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]),
+            (self.down_proj, [f"{prefix}down_proj.weight"]),
+        ]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -190,11 +204,7 @@ class LlamaForCausalLM(nn.Module):
                     names = [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
                     if all(n in state for n in names):
                         own[f"layers.{i}.self_attn.qkv_proj.{kind}"] = cat([state.pop(n) for n in names])
-                if f"{p}mlp.gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
-                    continue
-                own[f"layers.{i}.mlp.gate_up_proj.weight"] = cat(
-                    [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]
-                )
+                cls.take_mlp_weights(arch, i, state, own)
         except KeyError as e:
             raise ValueError(f"model weights are missing {e.args[0]}") from e
         for name, tensor in state.items():
@@ -244,6 +254,19 @@ class LlamaForCausalLM(nn.Module):
                     module.weight = nn.Parameter(module.weight.to(wide), requires_grad=False)
         return model
 
+    @classmethod
+    def take_mlp_weights(
+        cls, arch: ModelArch, layer: int, state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+    ) -> None:
+        """Move layer ``layer``'s MLP weights that need fusing from ``state`` (Hugging Face
+        names) into ``own`` (our names); what is left is renamed by dropping ``model.``."""
+        p = f"model.layers.{layer}.mlp."
+        if f"{p}gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
+            return
+        own[f"layers.{layer}.mlp.gate_up_proj.weight"] = cat_rows(
+            [state.pop(f"{p}gate_proj.weight"), state.pop(f"{p}up_proj.weight")], merge=False
+        )
+
     def attach_packed(self, packed: dict[str, tuple[str, torch.Tensor]]) -> int:
         """Give the linear layers their GGUF blocks (Hugging Face names -> (type, [rows, bytes]))
         for small batches, beside their dense weights.
@@ -261,12 +284,11 @@ class LlamaForCausalLM(nn.Module):
         targets: list[tuple[Linear, list[str]]] = []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.mlp  # a dense MLP or a mixture of experts
             if attn.qkv_proj.bias is None:
                 targets.append((attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]))
             targets.append((attn.o_proj, [f"{p}self_attn.o_proj.weight"]))
-            targets.append((mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]))
-            targets.append((mlp.down_proj, [f"{p}mlp.down_proj.weight"]))
+            targets += mlp.packed_targets(f"{p}mlp.")
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         targets.append((self.lm_head, [head]))
         count = 0
