@@ -415,41 +415,63 @@ void gemm_small(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_
 }
 
 #ifdef PAGEDLLM_AVX2
-// The small path without a buffer: each 32-weight unit is dequantized into registers and meets
-// up to XR rows of x there. Needs K % 32 == 0 (every block type; plain types may not).
+// One 32-weight unit `u` of a row of type T into registers.
+template <int32_t T>
+inline void unit(const uint8_t* row, int64_t u, __m256 wv[4]) {
+    if constexpr (BLOCK<T> == 1) deq32<T>(row + u * 32 * BYTES<T>, 0, wv);
+    else if constexpr (BLOCK<T> == 32) deq32<T>(row + u * BYTES<T>, 0, wv);
+    else deq32<T>(row + (u / 8) * BYTES<T>, int(u % 8), wv);
+}
+
+inline float hsum(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+// MR rows of x (a compile-time count, so the accumulators stay in registers) against weight
+// rows n0..n1: each 32-weight unit is dequantized into registers once and meets all MR rows.
+// Two accumulators per row of x; NR weight rows per pass (x's loads shared), 2 for MR <= 2.
+template <int32_t T, int MR, int NR = (MR <= 2 ? 2 : 1)>
+void small_rows(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_t* w, int64_t n0, int64_t n1,
+                int64_t K) {
+    const int64_t row_bytes = K / BLOCK<T> * BYTES<T>;
+    const int64_t units = K / 32;
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) {
+        __m256 acc[NR][MR][2];
+        for (int r = 0; r < NR; r++)
+            for (int i = 0; i < MR; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+        for (int64_t u = 0; u < units; u++) {
+            for (int r = 0; r < NR; r++) {
+                __m256 wv[4];
+                unit<T>(w + (n + r) * row_bytes, u, wv);
+                for (int i = 0; i < MR; i++) {
+                    const float* xi = x + i * ldx + u * 32;
+                    acc[r][i][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xi), acc[r][i][0]);
+                    acc[r][i][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xi + 8), acc[r][i][1]);
+                    acc[r][i][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xi + 16), acc[r][i][0]);
+                    acc[r][i][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xi + 24), acc[r][i][1]);
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int i = 0; i < MR; i++) y[i * ldy + n + r] = hsum(_mm256_add_ps(acc[r][i][0], acc[r][i][1]));
+    }
+    if constexpr (NR > 1) {
+        if (n < n1) small_rows<T, MR, 1>(y, ldy, x, ldx, w, n, n1, K);  // an odd last row
+    }
+}
+
+// The small path without a buffer. Needs K % 32 == 0 (every block type; plain types may not).
 template <int32_t T>
 void gemm_small_fused(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t n0,
                       int64_t n1, int64_t K) {
-    const int64_t row_bytes = K / BLOCK<T> * BYTES<T>;
-    const int64_t units = K / 32;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* row = w + n * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += XR) {
-            const int mr = int(std::min<int64_t>(XR, M - m0));
-            __m256 acc[XR][2];
-            for (int i = 0; i < XR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-            for (int64_t u = 0; u < units; u++) {
-                __m256 wv[4];
-                if constexpr (BLOCK<T> == 1) deq32<T>(row + u * 32 * BYTES<T>, 0, wv);
-                else if constexpr (BLOCK<T> == 32) deq32<T>(row + u * BYTES<T>, 0, wv);
-                else deq32<T>(row + (u / 8) * BYTES<T>, int(u % 8), wv);
-                for (int i = 0; i < mr; i++) {
-                    const float* xi = x + (m0 + i) * ldx + u * 32;
-                    acc[i][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xi), acc[i][0]);
-                    acc[i][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xi + 8), acc[i][1]);
-                    acc[i][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xi + 16), acc[i][0]);
-                    acc[i][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xi + 24), acc[i][1]);
-                }
-            }
-            for (int i = 0; i < mr; i++) {
-                const __m256 v = _mm256_add_ps(acc[i][0], acc[i][1]);
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_add_ss(h, _mm_movehdup_ps(h));
-                y[(m0 + i) * ldy + n] = _mm_cvtss_f32(h);
-            }
-        }
-    }
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) small_rows<T, 3>(y + m * ldy, ldy, x + m * ldx, ldx, w, n0, n1, K);
+    if (M - m == 2) small_rows<T, 2>(y + m * ldy, ldy, x + m * ldx, ldx, w, n0, n1, K);
+    if (M - m == 1) small_rows<T, 1>(y + m * ldy, ldy, x + m * ldx, ldx, w, n0, n1, K);
 }
 #endif
 
