@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.gguf_ops import GGUF_TYPES
-from pagedllm.model.arch import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArch
+from pagedllm.model.arch import _ALIASES, FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArch
+from pagedllm.model.moe import GGUF_MOE_LAYER_TENSORS, gguf_moe_arch_fields
 from pagedllm.quantization.weights import QuantizedWeight
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
@@ -98,7 +99,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if _ALIASES.get(arch, arch) not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r} in {path}; pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
@@ -117,6 +118,8 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     num_layers = int(meta("block_count"))
     extra: dict[str, Any] = {}
+    if arch == "qwen3moe":
+        extra = gguf_moe_arch_fields(meta)
     if arch == "gemma3":
         extra = dict(
             hidden_act="gelu_tanh",
@@ -152,12 +155,14 @@ PACKED_TYPES = tuple(t for t in GGUF_TYPES if t != "F32")
 
 
 def _is_packable(t: Any) -> bool:
-    return len(t.shape) == 2 and t.tensor_type.name in PACKED_TYPES
+    """A weight matrix, or a stack of them (a mixture of experts' [E, rows, cols])."""
+    return len(t.shape) in (2, 3) and t.tensor_type.name in PACKED_TYPES
 
 
 def _raw_rows(t: Any) -> np.ndarray:
-    """The tensor's bytes as [rows, row_bytes] uint8, a view of the memory-mapped file."""
-    rows = int(t.shape[1])
+    """The tensor's bytes as [rows, row_bytes] uint8 (all matrices of a stack, one after the
+    other), a view of the memory-mapped file."""
+    rows = int(np.prod([int(d) for d in t.shape[1:]]))
     return np.asarray(t.data).view(np.uint8).reshape(rows, -1)
 
 
@@ -179,7 +184,8 @@ def load_gguf(path: Path) -> tuple[ModelArch, dict[str, Any]]:
     reader = _open(path)
     arch = read_gguf_arch(reader, path)
     state: dict[str, Any] = {}
-    layer_tensors = {"gemma3": _GEMMA3_LAYER_TENSORS, "qwen3": _QWEN3_LAYER_TENSORS}.get(arch.architecture, _LAYER_TENSORS)
+    layer_tensors = {"gemma3": _GEMMA3_LAYER_TENSORS, "qwen3": _QWEN3_LAYER_TENSORS,
+                     "qwen3_moe": {**_QWEN3_LAYER_TENSORS, **GGUF_MOE_LAYER_TENSORS}}.get(arch.architecture, _LAYER_TENSORS)  # fmt: skip
     # Only llama.cpp's "llama" converter permutes Q/K rows; qwen2 files keep the HF row order.
     permuted = arch.architecture in ("llama", "mistral")
     for t in reader.tensors:
@@ -203,6 +209,11 @@ def load_gguf(path: Path) -> tuple[ModelArch, dict[str, Any]]:
                 blocks = unpermute_qk(torch.from_numpy(np.array(blocks)), heads)
             else:
                 blocks = _from_mapped(blocks)
+            if "{e}" in hf:  # an expert stack: one weight per expert, views of the stack's rows
+                per = int(t.shape[1])
+                for e in range(int(t.shape[2])):
+                    state[hf.format(e=e)] = QuantizedWeight(t.tensor_type.name, blocks[e * per : (e + 1) * per], int(t.shape[0]))
+                continue
             state[hf] = QuantizedWeight(t.tensor_type.name, blocks, int(t.shape[0]))
             continue
         try:
@@ -213,6 +224,10 @@ def load_gguf(path: Path) -> tuple[ModelArch, dict[str, Any]]:
         if not array.flags.writeable:  # unquantized tensors are views of the read-only file map
             array = array.copy()
         tensor = torch.from_numpy(array)
+        if "{e}" in hf:  # an F32 expert stack
+            for e in range(tensor.shape[0]):
+                state[hf.format(e=e)] = tensor[e].contiguous()
+            continue
         if arch.architecture == "gemma3" and hf.endswith("norm.weight"):
             tensor = tensor - 1.0
         if heads is not None:

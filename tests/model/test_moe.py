@@ -229,3 +229,84 @@ def test_experts_take_gguf_blocks_kept_packed():
     assert block.experts[3].down_proj.packed is not None and block.gate.packed is not None
     assert model.layers[0].self_attn.o_proj.packed is None  # not given
     torch.testing.assert_close(block.forward(x), dense, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quant", [None, "Q8_0"])
+def test_qwen3_moe_gguf_matches_transformers(tmp_path, quant):
+    """A tiny Qwen3-MoE written as llama.cpp's qwen3moe GGUF (expert stacks; F32, or Q8_0 blocks
+    kept packed and run from the blocks) loads and decodes as transformers does."""
+    import json
+
+    import gguf
+    import transformers
+    from safetensors.torch import load_file
+
+    from pagedllm import LLM, SamplingParams
+    from tests.conftest import save_tiny_model
+    from tests.model.test_hf_models import oracle_greedy
+
+    hf_dir = save_tiny_model(tmp_path / "hf", "qwen3_moe", seed=8, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True)  # fmt: skip
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    state = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "qwen3moe")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(32)
+    w.add_eos_token_id(2)
+
+    def add(name, t):
+        if quant is None or t.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
+            w.add_tensor(name, np.ascontiguousarray(t))
+        else:
+            q = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), q), raw_dtype=q)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    add("output.weight", state["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}  # fmt: skip
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, gg in names.items():
+            add(f"blk.{i}.{gg}.weight", state[f"model.layers.{i}.{hf_name}.weight"])
+        for proj in ("gate", "up", "down"):
+            stack = np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(4)])
+            add(f"blk.{i}.ffn_{proj}_exps.weight", stack)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    if quant is not None:  # the oracle holds the same quantized values
+        from gguf.quants import dequantize
+
+        with torch.no_grad():
+            for name, p in hf.model.layers.named_parameters():
+                if p.dim() == 2 and not name.endswith("mlp.gate.weight"):
+                    blocks = gguf.quants.quantize(p.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+                    p.copy_(torch.from_numpy(dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)))
+            for p in (hf.model.embed_tokens.weight, hf.lm_head.weight):
+                blocks = gguf.quants.quantize(p.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)))
+    llm = LLM(str(tmp_path / "moe.gguf"), dtype="float32", num_kv_blocks=32, dense_weights="no",
+              max_num_batched_tokens=32, log_stats_interval=1e9)  # fmt: skip
+    assert llm.llm_engine.runner.model.arch.num_experts == 4
+    prompts = [[5, 6, 7], list(range(3, 50))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == oracle_greedy(hf, p, 8)
