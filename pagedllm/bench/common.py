@@ -30,3 +30,33 @@ def report(result: dict[str, Any], line: str, path: str | None) -> dict[str, Any
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), which every published figure names."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+# A fixed English text for perplexity checks (~330 tokens with SmolLM2's tokenizer).
+PERPLEXITY_TEXT = (
+    "The lighthouse stood at the end of a narrow spit of land, where the sea met the estuary and the "
+    "currents ran fast at every change of the tide. For more than a century its keepers had climbed the "
+    "one hundred and twelve steps each evening to light the lamp, trim the wick and wind the clockwork "
+    "that turned the great lens. The work was lonely but never idle: the brass had to be polished, the "
+    "glass cleaned of salt, the log kept in a careful hand, and the weather observed and written down "
+    "every four hours. In the winter storms the keepers slept in turns, listening for the sound of the "
+    "fog signal and watching the horizon for ships in distress. When the lamp was finally automated in "
+    "the nineteen eighties, the last keeper packed his books and his barometer, locked the door behind "
+    "him and walked back along the causeway to the village. The lighthouse still shines every night, "
+    "but no one climbs the stairs any more, and the log ends with a single line in faded ink: all well, "
+    "light burning bright, wind from the south west. Today the building belongs to a small museum. "
+    "Visitors can read the old logs, see the brass instruments and look out from the gallery over the "
+    "water, where fishing boats still return at dusk, guided by the same light that their grandparents "
+    "followed home."
+)

@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
     structured.add_args(so)
     so.set_defaults(func=lambda a: structured.run(a, engine_config_from_args(a).to_dict()) and 0)
+    wq = bench.add_parser("weight-quant", help="perplexity and greedy agreement of --quantization int8/int4 against the checkpoint")
+    add_engine_args(wq)
+    from pagedllm.bench import weight_quant
+
+    weight_quant.add_args(wq)
+    wq.set_defaults(func=lambda a: weight_quant.run(a, engine_config_from_args(a).to_dict()) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
