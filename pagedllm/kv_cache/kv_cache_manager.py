@@ -252,13 +252,17 @@ class KVCacheManager:
             needed += num_new + len(shared) + num_revived
         if needed > self.block_pool.num_free_blocks:
             return False
-        new_ids: list[int] = []
-        num_adopted = num_shared = 0
-        for blocks, adopt, num_new, shared in plans:
+        # Every group adopts its hits before any group takes new blocks: a free cached block one
+        # group is about to adopt must not be handed to another as a new block first.
+        num_adopted = 0
+        for blocks, adopt, _, _ in plans:
             real = _real(adopt)
             self.block_pool.touch(real)
             blocks.extend(adopt)
             num_adopted += len(real)
+        new_ids: list[int] = []
+        num_shared = 0
+        for blocks, _, num_new, shared in plans:
             for i in shared:
                 (copy,) = self.block_pool.get_new_blocks(1)
                 self._pending_copies.setdefault(request_id, []).append((blocks[i].block_id, copy.block_id))
@@ -501,14 +505,16 @@ class KVCacheManager:
         return copies
 
     def check_integrity(self) -> None:
-        """Every reference is held by exactly one block-table entry; free + used = total."""
+        """Every reference is held by exactly one block-table entry, of one group; free + used = total."""
         self.block_pool.check_integrity()
         refs: dict[int, int] = {}
-        for table in self.tables:
+        group_of: dict[int, int] = {}
+        for g, table in enumerate(self.tables):
             for blocks in table.values():
                 for b in blocks:
                     if b is not NULL_BLOCK:
                         refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                        assert group_of.setdefault(b.block_id, g) == g, f"{b} is in groups {group_of[b.block_id]} and {g}"
         assert NULL_BLOCK.ref_cnt == 0 and NULL_BLOCK.block_hash is None, "the placeholder was touched"
         for b in self.block_pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"{b} has {refs.get(b.block_id, 0)} owners"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -122,14 +123,23 @@ def test_sliding_window_skips_the_blocks_before_it(block_size, head_dim, window,
     torch.testing.assert_close(sdpa, ref, atol=1e-5, rtol=1e-5)
     full = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     assert not torch.allclose(full, ref)  # the window matters here
+    # The KV manager's placeholders (entries behind the window) name a block some other
+    # sequence holds (here the first one's): the torch backends gather and mask them.
+    behind = dataclasses.replace(meta, block_tables=meta.block_tables.clone(), backend_cache={})
+    null = int(meta.block_tables[0, 0])
     poisoned = 0
     for s, (ctx, q_len) in enumerate(WINDOW_SHAPES):
         first_key = max(0, ctx - q_len - window + 1)
         for j in range(first_key // block_size):
             b = int(meta.block_tables[s, j])
             kc[b], vc[b] = float("nan"), float("nan")
+            behind.block_tables[s, j] = null
             poisoned += 1
-    assert poisoned > 0
+    assert poisoned > 0 and torch.isfinite(kc[null]).all()
+    for name in ("reference", "torch_sdpa"):  # masked, but multiplied by 0: finite garbage there (as in a pool)
+        kc_f, vc_f = kc.nan_to_num(1e4), vc.nan_to_num(1e4)
+        got = get_attention_backend(name).forward(q, k, v, kc_f, vc_f, behind, scale, window)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     native = get_attention_backend("cpu_native").forward(q, k, v, kc.clone(), vc.clone(), meta, scale, window)
     torch.testing.assert_close(native, ref, atol=1e-5, rtol=1e-5)
     kc2, vc2 = kc.clone(), vc.clone()
