@@ -242,24 +242,25 @@ class KVCacheManager:
             if adopt:
                 assert not blocks and len(adopt) * bs == num_computed_tokens
             num_new = max(0, want - len(blocks) - len(adopt))
-            # Reviving a freed cached block takes it out of the free queue too.
-            num_revived = sum(1 for b in adopt if b.ref_cnt == 0 and b is not NULL_BLOCK)
+            if adopt:  # reviving a freed cached block takes it out of the free queue too
+                needed += sum(1 for b in adopt if b.ref_cnt == 0 and b is not NULL_BLOCK)
             # Existing blocks this step writes into that others still reference (never placeholders:
             # they lie behind the window of the step's first query).
             last = min(len(blocks), want)
             shared = [i for i in range(first_write, last) if blocks[i].ref_cnt > 1] if num_new_tokens else []
             plans.append((blocks, adopt, num_new, shared))
-            needed += num_new + len(shared) + num_revived
+            needed += num_new + len(shared)
         if needed > self.block_pool.num_free_blocks:
             return False
         # Every group adopts its hits before any group takes new blocks: a free cached block one
         # group is about to adopt must not be handed to another as a new block first.
         num_adopted = 0
-        for blocks, adopt, _, _ in plans:
-            real = _real(adopt)
-            self.block_pool.touch(real)
-            blocks.extend(adopt)
-            num_adopted += len(real)
+        if hits:
+            for blocks, adopt, _, _ in plans:
+                real = _real(adopt)
+                self.block_pool.touch(real)
+                blocks.extend(adopt)
+                num_adopted += len(real)
         new_ids: list[int] = []
         num_shared = 0
         for blocks, _, num_new, shared in plans:
@@ -269,9 +270,10 @@ class KVCacheManager:
                 self.block_pool.free_blocks([blocks[i]])
                 blocks[i] = copy
             num_shared += len(shared)
-            new = self.block_pool.get_new_blocks(num_new)
-            blocks.extend(new)
-            new_ids += [b.block_id for b in new]
+            if num_new:
+                new = self.block_pool.get_new_blocks(num_new)
+                blocks.extend(new)
+                new_ids += [b.block_id for b in new]
         self.num_allocated_total += len(new_ids) + num_shared
         self.num_cached_hits_total += num_adopted
         if (new_ids or num_shared or num_adopted) and logger.isEnabledFor(logging.DEBUG):
