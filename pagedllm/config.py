@@ -85,6 +85,10 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto | cpu_native | torch_sdpa | reference
     packed_weights: bool = True  # GGUF models: small batches read the quantized blocks directly
+    # Quantized models: also keep an fp32 copy of the weights for big steps? auto | yes | no
+    # (auto: when it takes at most a third of the available memory; quantization/placement.py)
+    dense_weights: str = "auto"
+    quantization: str | None = None  # Hugging Face checkpoints: int8 | int4 weight-only, at load
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's prefill chunk per step
     scheduling_policy: str = "fcfs"  # or "priority"
@@ -110,6 +114,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if not (isinstance(self.swap_space, (int, float)) and self.swap_space > 0):
             raise ValueError(f"swap_space must be positive (GiB), got {self.swap_space!r}")
+        if self.dense_weights not in ("auto", "yes", "no"):
+            raise ValueError(f"dense_weights must be auto, yes or no, got {self.dense_weights!r}")
+        if self.quantization is not None and self.quantization not in ("int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4 (or None), got {self.quantization!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
 

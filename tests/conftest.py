@@ -18,7 +18,9 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[model_type]
     kwargs = dict(
         vocab_size=256,
@@ -42,13 +44,15 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[model_type]
     model = model_cls(config).eval()
     # Random init gives near-uniform logits; sharpen them so greedy decoding has clear winners.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: a mixture of experts' stacked expert weights
                 p.mul_(4.0)
     model.save_pretrained(str(path))
     return path

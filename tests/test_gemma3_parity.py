@@ -85,3 +85,24 @@ def test_gemma3_270m_matches_transformers(gemma_path, oracle):
     kv = llm.llm_engine.kv_cache_manager
     assert kv.num_groups == 6 and kv.num_skipped_total > 0  # sliding blocks went back while requests ran
     kv.check_integrity()
+
+
+def test_gemma3_270m_from_its_gguf_blocks_matches_transformers(gemma_path, oracle):
+    """``dense_weights="no"``: the Q4_K_M file's Q4_K / Q5_0 / Q6_K / Q8_0 blocks serve every
+    step (a 2048-token prefill budget: big on-the-fly panel steps) and the embedding lookup."""
+    from pagedllm.quantization.weights import QuantizedEmbedding
+
+    prompts, results = oracle
+    chosen = [0, 1, 7, 9]  # two short, two past the sliding window
+    assert sum(len(prompts[i]) > 512 for i in chosen) >= 2
+    llm = LLM(gemma_path, dtype="float32", max_model_len=1024, dense_weights="no", log_stats_interval=1e9)
+    model = llm.llm_engine.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert {s.qtype for layer in model.layers for s in layer.mlp.down_proj.quant} >= {"Q6_K"}
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in chosen],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    exact = sum(
+        assert_greedy_parity(f"prompt {i}", o.outputs[0].token_ids, results[i], tie_tol=0.05)
+        for i, o in zip(chosen, outs)
+    )
+    assert exact >= 3, f"{exact}/4 exact"

@@ -51,7 +51,9 @@ class AttentionBackend(ABC):
     Shapes: ``q`` [num_tokens, num_heads, head_dim]; ``k``/``v`` [num_tokens, num_kv_heads,
     head_dim]; each cache [num_blocks, block_size, num_kv_heads, head_dim]. Returns
     [num_tokens, num_heads, head_dim]. Causal: a query at context position p sees 0..p, or with a
-    sliding ``window`` only p - window + 1..p (as transformers' sliding-window mask).
+    sliding ``window`` only p - window + 1..p (as transformers' sliding-window mask). A
+    ``softcap`` (Gemma 2) maps the scaled scores s to softcap * tanh(s / softcap) before the
+    mask and softmax; the reference backend computes it, the others hand such calls to it.
     """
 
     name: str
@@ -80,6 +82,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 

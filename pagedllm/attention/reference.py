@@ -18,7 +18,10 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 class ReferenceAttention(AttentionBackend):
     name = "reference"
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None):
+    def forward(
+        self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+        softcap: float | None = None,
+    ):
         self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         group = q.shape[1] // key_cache.shape[2]
@@ -30,6 +33,8 @@ class ReferenceAttention(AttentionBackend):
             ki = ki.repeat_interleave(group, dim=1)  # [ctx, H, D]
             vi = vi.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             # Query row r sits at context position ctx_len - q_len + r.
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
             k_pos = torch.arange(ctx_len, device=q.device)[None, :]

@@ -12,12 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.reference import ReferenceAttention
+
+_REFERENCE = ReferenceAttention()
 
 
 class TorchSDPAAttention(AttentionBackend):
     name = "torch_sdpa"
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None):
+    def forward(
+        self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+        softcap: float | None = None,
+    ):
+        if softcap is not None:  # SDPA has no score soft-capping: the explicit-math path
+            return _REFERENCE.forward(q, k, v, key_cache, value_cache, meta, scale, window, softcap)
         self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape

@@ -19,6 +19,9 @@ from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.registry import model_class
 from pagedllm.model.loader import ModelSource, load_weights, resolve_model
+from pagedllm.quantization.placement import choose as choose_placement
+from pagedllm.quantization.placement import log_placement
+from pagedllm.quantization.weights import QuantizedWeight
 from pagedllm.runner.model_runner import kv_block_bytes
 from pagedllm.tokenizer import load_tokenizer
 
@@ -46,11 +49,19 @@ class KVCacheSizes:
 def load_model(config: EngineConfig) -> LoadedModel:
     """Weights (dense, plus GGUF blocks / native panels where they serve), tokenizer, EOS ids."""
     source = resolve_model(config.model)
-    arch, state, packed = load_weights(source)
+    arch, state = load_weights(source, config.quantization)
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
     dtype = config.torch_dtype
+    placement = choose_placement(config.dense_weights, state)
+    log_placement(placement)
+    packed: dict[str, tuple[str, torch.Tensor]] = {}
+    if placement.dense:  # fp32 values for the dense GEMMs; the blocks stay for small steps
+        for name, weight in state.items():
+            if isinstance(weight, QuantizedWeight):
+                packed[name] = (weight.qtype, weight.data)
+                state[name] = weight.dequantize()
     model = model_class(arch).from_hf_state_dict(arch, state, dtype, max_model_len)
     del state
     if config.packed_weights and packed and native_available():

@@ -37,6 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-path", default=None, help="memory-mapped file backing the swap pool (default: RAM)")
     g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds (fp32 or bf16 KV cache on CPU), else torch_sdpa (default: %(default)s)")
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
+    g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

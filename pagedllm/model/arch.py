@@ -12,11 +12,15 @@ from typing import Any
 # Architectures pagedllm serves. The Llama implementation (model/llama.py) serves the first
 # five: Mistral is Llama with a sliding window, Qwen2 adds a bias to the q/k/v projections,
 # Qwen3 RMS-normalises each head's q and k, Phi-3 ships q/k/v and gate/up already fused.
-# Gemma 3 (model/gemma3.py) differs more.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+# Gemma 3 (model/gemma3.py) differs more, Gemma 2 (model/gemma2.py) is Gemma 3 without q/k norms
+# and with soft-capped logits; Qwen3-MoE (model/moe.py) is Qwen3 with a sparse
+# mixture-of-experts MLP.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe")
 # Other names of the same architectures (Hugging Face model_type, GGUF general.architecture).
-_ALIASES = {"gemma3_text": "gemma3"}
+_ALIASES = {"gemma3_text": "gemma3", "qwen3moe": "qwen3_moe"}
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Every n-th layer is global, the others slide, when a config predates ``layer_types``.
+_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6}
 
 
 @dataclass
@@ -48,9 +52,28 @@ class ModelArch:
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), else rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma), else head_dim
+    # Mixture of experts (Qwen3-MoE): 0 experts means every MLP is dense. A sparse layer routes
+    # each token to ``num_experts_per_tok`` of ``num_experts`` gated MLPs of width
+    # ``moe_intermediate_size``; layers in ``mlp_only_layers``, and all but every
+    # ``decoder_sparse_step``-th, keep a dense MLP of ``intermediate_size``.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # Soft-capping (Gemma 2): x -> cap * tanh(x / cap) on the attention scores (before the mask
+    # and softmax) and on the final logits. None: no cap.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and self.layer_types is not None and self.layer_types[layer] == SLIDING
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Transformers' rule: sparse unless listed dense or off the ``decoder_sparse_step`` beat."""
+        sparse_beat = (layer + 1) % self.decoder_sparse_step == 0
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and sparse_beat
 
     @property
     def attention_scale(self) -> float:
@@ -67,6 +90,17 @@ class ModelArch:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                    f"num_experts ({self.num_experts})"
+                )
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(
+                    f"moe_intermediate_size ({self.moe_intermediate_size}) and decoder_sparse_step "
+                    f"({self.decoder_sparse_step}) must be positive"
+                )
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
@@ -110,14 +144,38 @@ class ModelArch:
         num_layers = int(cfg["num_hidden_layers"])
         window = cfg.get("sliding_window")
         layer_types = cfg.get("layer_types")
-        if not window or (model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+        if not window or (model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window")):
             window, layer_types = None, None  # Qwen configs name a window they do not use
+        elif layer_types is None and model_type in _SLIDING_PATTERNS:  # configs before transformers 4.5x
+            pattern = int(cfg.get("sliding_window_pattern") or _SLIDING_PATTERNS[model_type])
+            layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
         elif layer_types is None:  # Mistral: every layer slides
             layer_types = [SLIDING] * num_layers
         if layer_types is not None and len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        moe: dict[str, Any] = {}
+        if model_type == "qwen3_moe":
+            # transformers 5 writes num_local_experts (num_experts is its attribute alias).
+            num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            moe = dict(
+                num_experts=num_experts,
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if num_experts else 0,
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)) if num_experts else 0,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
+            )
+        gemma = model_type in ("gemma2", "gemma3")
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{model_type} with use_bidirectional_attention is not supported (causal only)")
+        softcap = {
+            k: float(cfg[k]) if gemma and cfg.get(k) is not None else None
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")
+        }
+        if model_type == "gemma3" and softcap["final_logit_softcapping"] is not None:
+            raise ValueError("final_logit_softcapping is supported for gemma2 only")
         return cls(
             architecture=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -135,10 +193,12 @@ class ModelArch:
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=model_type in ("qwen3", "gemma3"),
-            hidden_act="gelu_tanh" if model_type == "gemma3" else "silu",
+            qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe"),
+            hidden_act="gelu_tanh" if gemma else "silu",
             sliding_window=int(window) if window else None,
             layer_types=list(layer_types) if layer_types is not None else None,
             rope_local_theta=rope_local_theta,
-            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if model_type == "gemma3" else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            **softcap,
+            **moe,
         )

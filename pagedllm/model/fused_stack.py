@@ -11,6 +11,7 @@ else (``why_not``):
 - the attention backend declares ``fused_decoder_stack`` (its attention is what the stack computes);
 - every layer's four linears hold GGUF blocks of a type the stack knows (Q4_1, Q8_0), no biases;
 - the model computes in fp32 and every layer's KV cache is fp32 and contiguous.
+- every layer's MLP is dense (the stack has no mixture-of-experts routing).
 
 A feature that changes what a layer computes (LoRA deltas, tensor-parallel shards, a quantized
 KV cache, ...) must add its condition to ``why_not``; the stack never silently skips it.
@@ -40,11 +41,15 @@ def _linears(layer) -> tuple:
 def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Why this model and cache cannot run as one native call (None: they can). The per-step
     conditions (token count, backend, ``torch_only``) are checked by ``FusedDecoderStack.get``."""
+    arch = model.arch
+    if arch.num_experts:
+        return f"{arch.architecture} has mixture-of-experts layers; the native stack runs dense MLPs only"
     if load_kernels() is None:
         return "the native kernels are not built"
-    arch = model.arch
-    if arch.qk_norm or arch.sliding_window is not None or arch.hidden_act != "silu" or arch.query_pre_attn_scalar:
-        return f"{arch.architecture} layers (q/k norms, sliding windows, GeGLU, Gemma's scale) are not in the native stack"
+    if (arch.qk_norm or arch.sliding_window is not None or arch.hidden_act != "silu" or arch.query_pre_attn_scalar
+            or arch.attn_logit_softcapping):
+        return (f"{arch.architecture} layers (q/k norms, sliding windows, GeGLU, Gemma's scale, soft-capped "
+                "attention) are not in the native stack")
     if model.norm.weight.dtype != torch.float32:
         return f"the model computes in {model.norm.weight.dtype}"
     for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):

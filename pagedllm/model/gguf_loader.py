@@ -1,6 +1,9 @@
-"""Read a GGUF file into Hugging Face-named fp32 tensors plus a ModelArch.
+"""Read a GGUF file into Hugging Face-named tensors plus a ModelArch.
 
-Quantized tensors are dequantized with the ``gguf`` package. llama.cpp's converter permutes
+Weight matrices stay in their blocks as ``QuantizedWeight``s that point into the
+memory-mapped file - no copy, so resident weight memory is the file's size; the engine then
+decides against a memory budget whether to also dequantize them to fp32
+(``quantization/placement.py``). Vectors (norms) are read as fp32. llama.cpp's converter permutes
 the rows of the Q and K projections so that rotary pairs are adjacent (its "interleaved"
 RoPE layout); our model uses the Hugging Face "rotate half" layout, so those rows are put
 back here. Skipping that step gives a model that writes fluent nonsense.
@@ -14,7 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model.arch import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArch
+from pagedllm.kernels.gguf_ops import GGUF_TYPES
+from pagedllm.model.arch import _ALIASES, FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArch
+from pagedllm.model.moe import GGUF_MOE_LAYER_TENSORS, gguf_moe_arch_fields
+from pagedllm.quantization.weights import QuantizedWeight
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_TENSORS = {
@@ -93,7 +99,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if _ALIASES.get(arch, arch) not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r} in {path}; pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
@@ -112,6 +118,8 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     num_layers = int(meta("block_count"))
     extra: dict[str, Any] = {}
+    if arch == "qwen3moe":
+        extra = gguf_moe_arch_fields(meta)
     if arch == "gemma3":
         extra = dict(
             hidden_act="gelu_tanh",
@@ -141,23 +149,45 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     )
 
 
-# Block types the native kernels read directly (pagedllm/kernels).
-PACKED_TYPES = ("Q4_1", "Q8_0")
+# Block types the native kernels read directly (kernels/gguf_ops.py; Q4_1 and Q8_0 also have
+# the tuned grouped small-batch kernels). F32 matrices are simply kept dense.
+PACKED_TYPES = tuple(t for t in GGUF_TYPES if t != "F32")
 
 
-def load_gguf(
-    path: Path,
-) -> tuple[ModelArch, dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor]]]:
-    """Return the architecture, a Hugging Face-named fp32 state dict, and the raw blocks of
-    the 2-D tensors stored in a ``PACKED_TYPES`` format ({name: (type, [rows, row_bytes] uint8)}),
-    with the same row order as the fp32 tensors."""
+def _is_packable(t: Any) -> bool:
+    """A weight matrix, or a stack of them (a mixture of experts' [E, rows, cols])."""
+    return len(t.shape) in (2, 3) and t.tensor_type.name in PACKED_TYPES
+
+
+def _raw_rows(t: Any) -> np.ndarray:
+    """The tensor's bytes as [rows, row_bytes] uint8 (all matrices of a stack, one after the
+    other), a view of the memory-mapped file."""
+    rows = int(np.prod([int(d) for d in t.shape[1:]]))
+    return np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+
+
+def _from_mapped(array: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only memory map, without a copy: weights are never written."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(array)
+
+
+def load_gguf(path: Path) -> tuple[ModelArch, dict[str, Any]]:
+    """Return the architecture and a Hugging Face-named state dict: weight matrices of the
+    ``PACKED_TYPES`` as ``QuantizedWeight``s over the memory-mapped file (Q/K rows of llama
+    files put back in Hugging Face order, which copies those two), everything else fp32."""
     from gguf.quants import dequantize
 
     reader = _open(path)
     arch = read_gguf_arch(reader, path)
-    state: dict[str, torch.Tensor] = {}
-    packed: dict[str, tuple[str, torch.Tensor]] = {}
-    layer_tensors = {"gemma3": _GEMMA3_LAYER_TENSORS, "qwen3": _QWEN3_LAYER_TENSORS}.get(arch.architecture, _LAYER_TENSORS)
+    state: dict[str, Any] = {}
+    layer_tensors = {"gemma3": _GEMMA3_LAYER_TENSORS, "qwen3": _QWEN3_LAYER_TENSORS,
+                     "qwen3_moe": {**_QWEN3_LAYER_TENSORS, **GGUF_MOE_LAYER_TENSORS}}.get(arch.architecture, _LAYER_TENSORS)  # fmt: skip
+    # Only llama.cpp's "llama" converter permutes Q/K rows; qwen2 files keep the HF row order.
+    permuted = arch.architecture in ("llama", "mistral")
     for t in reader.tensors:
         name = t.name
         if name.startswith("blk."):
@@ -170,6 +200,22 @@ def load_gguf(
             hf = _GLOBAL_TENSORS.get(name)
             if hf is None:
                 raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
+        heads = None
+        if permuted:
+            heads = arch.num_heads if ".q_proj." in hf else arch.num_kv_heads if ".k_proj." in hf else None
+        if _is_packable(t):
+            blocks = _raw_rows(t)
+            if heads is not None:
+                blocks = unpermute_qk(torch.from_numpy(np.array(blocks)), heads)
+            else:
+                blocks = _from_mapped(blocks)
+            if "{e}" in hf:  # an expert stack: one weight per expert, views of the stack's rows
+                per = int(t.shape[1])
+                for e in range(int(t.shape[2])):
+                    state[hf.format(e=e)] = QuantizedWeight(t.tensor_type.name, blocks[e * per : (e + 1) * per], int(t.shape[0]))
+                continue
+            state[hf] = QuantizedWeight(t.tensor_type.name, blocks, int(t.shape[0]))
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except Exception as e:
@@ -178,20 +224,13 @@ def load_gguf(
         if not array.flags.writeable:  # unquantized tensors are views of the read-only file map
             array = array.copy()
         tensor = torch.from_numpy(array)
+        if "{e}" in hf:  # an F32 expert stack
+            for e in range(tensor.shape[0]):
+                state[hf.format(e=e)] = tensor[e].contiguous()
+            continue
         if arch.architecture == "gemma3" and hf.endswith("norm.weight"):
             tensor = tensor - 1.0
-        blocks = None
-        if t.tensor_type.name in PACKED_TYPES and tensor.dim() == 2:
-            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(tensor.shape[0], -1)
-        # Only llama.cpp's "llama" converter permutes; qwen2 files keep the HF row order.
-        if arch.architecture in ("llama", "mistral"):
-            heads = {".q_proj.": arch.num_heads, ".k_proj.": arch.num_kv_heads}
-            for key, n in heads.items():
-                if key in hf:
-                    tensor = unpermute_qk(tensor, n)
-                    blocks = None if blocks is None else unpermute_qk(blocks, n)
+        if heads is not None:
+            tensor = unpermute_qk(tensor, heads)
         state[hf] = tensor
-        if blocks is not None:
-            packed[hf] = (t.tensor_type.name, blocks)
-    return arch, state, packed
-
+    return arch, state

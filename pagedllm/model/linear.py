@@ -1,5 +1,11 @@
 """A linear layer that can also keep its weights in their GGUF blocks.
 
+Three forms of the same weight, any of which a layer may hold: ``weight`` (dense, torch's
+GEMM), ``panels`` (dense fp32 for the native GEMM), GGUF blocks - ``packed`` (Q4_1/Q8_0
+regrouped for the tuned small-batch kernel) and ``quant`` (row segments in the file's own
+blocks, any GGUF type, for ``kernels/gguf_ops.py`` at every batch size). A model too big for
+an fp32 copy holds only ``quant``: resident weight memory stays the file's size.
+
 A step of few tokens makes a matmul a pass over the weights: memory bound. Those run from
 the packed blocks with the native kernel, which reads 0.6 (Q4_1) or 1.1 (Q8_0) bytes per
 weight instead of 4. Bigger batches are compute bound and run a dense fp32 GEMM: the native
@@ -18,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import ops, reference
+from pagedllm.kernels import gguf_ops, ops, reference
+from pagedllm.quantization.weights import QuantizedWeight
 
 # Up to this many rows (tokens) the packed kernel beats the dense GEMM on this machine class;
 # above it the dense path wins. All 121 linears of SmolLM2-135M, fp32, 2 cores, packed blocks
@@ -49,6 +56,8 @@ class Linear(nn.Module):
         # The dense weight as 16-row panels for the native GEMM (pagedllm/kernels/reference.py:
         # pack_panels), set by pack_dense.
         self.panels: torch.Tensor | None = None
+        # Row segments in GGUF blocks (set_quant): each covers consecutive output rows.
+        self.quant: list[QuantizedWeight] | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "packed":
@@ -63,6 +72,30 @@ class Linear(nn.Module):
         self.packed = reference.group_blocks(packed, qtype, self.out_features, self.in_features)
         self.qtype = qtype
         self._gemm = ops.grouped_gemm_fn(qtype, self.in_features)
+
+    def set_quant(self, segments: list[QuantizedWeight], drop_dense: bool = False) -> None:
+        """Keep the weight as GGUF row segments; ``drop_dense`` frees the dense forms."""
+        rows = sum(s.out_features for s in segments)
+        if rows != self.out_features or any(s.in_features != self.in_features for s in segments):
+            raise ValueError(f"quantized weight of {rows} rows does not fit a {self.out_features}x{self.in_features} layer")
+        self.quant = list(segments)
+        if drop_dense:
+            self.weight = None
+            self.panels = None
+
+    def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        if len(self.quant) == 1:
+            y = self.quant[0].linear(x32)
+        else:  # each segment writes its columns of y
+            y = torch.empty(x32.shape[0], self.out_features)
+            start = 0
+            for s in self.quant:
+                s.linear(x32, y[:, start : start + s.out_features])
+                start += s.out_features
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
 
     def pack_dense(self, keep_weight: bool = False) -> bool:
         """Move an fp32 dense weight on CPU into panels for the native GEMM. True if done.
@@ -82,7 +115,7 @@ class Linear(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return torch.float32 if self.panels is not None else self.weight.dtype
+        return self.weight.dtype if self.panels is None and self.weight is not None else torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
@@ -94,6 +127,8 @@ class Linear(nn.Module):
             else:
                 y = ops.grouped_linear(x, self.packed, self.qtype, self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        if self.quant is not None and (x.shape[0] <= gguf_ops.SMALL_ROWS or (self.panels is None and self.weight is None)):
+            return self._quant_forward(x)
         if self.panels is not None:
             return ops.panel_linear(x, self.panels, self.out_features, self.bias)
         if x.dtype is not self.weight.dtype:
@@ -102,4 +137,6 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         packed = f", packed={self.qtype}" if self.packed is not None else ""
+        if self.quant is not None:
+            packed += ", quant=" + "+".join(s.qtype for s in self.quant)
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{packed}"

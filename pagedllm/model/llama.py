@@ -20,6 +20,11 @@ from pagedllm.model.arch import ModelArch
 from pagedllm.model.fused_stack import FusedDecoderStack
 from pagedllm.model.linear import Linear
 from pagedllm.model.rope import RotaryEmbedding
+from pagedllm.quantization.weights import QuantizedEmbedding, QuantizedWeight, cat_rows, is_quantized, segments, weight_shape
+
+
+# Block types with the tuned grouped small-batch kernel (kernels/reference.py: group_blocks).
+GROUPED_TYPES = ("Q4_1", "Q8_0")
 
 
 def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata] | None:
@@ -59,6 +64,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = arch.attention_scale
         self.window = arch.sliding_window if arch.is_sliding(layer) else None
+        # Gemma 2 soft-caps the scores; passed only when set, so a backend without the option
+        # still serves every other model.
+        self.backend_kwargs = {"softcap": arch.attn_logit_softcapping} if arch.attn_logit_softcapping else {}
         # Qwen3 / Gemma 3: each head's q and k are RMS-normalised before RoPE.
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -81,19 +89,23 @@ class LlamaAttention(nn.Module):
             q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
             k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         rope.forward(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        kc, vc = kv_cache
+        out = backend.forward(q, k, v, kc, vc, meta, self.scale, self.window, **self.backend_kwargs)
         return self.o_proj.forward(out.view(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: SwiGLU (silu), or GeGLU (tanh-approximated gelu) for Gemma."""
+    """Gated MLP: SwiGLU (silu), or GeGLU (tanh-approximated gelu) for Gemma.
 
-    def __init__(self, arch: ModelArch):
+    ``intermediate_size`` overrides the model's (a mixture-of-experts expert is narrower).
+    """
+
+    def __init__(self, arch: ModelArch, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
+        self.intermediate_size = intermediate_size or arch.intermediate_size
         self.gelu = arch.hidden_act == "gelu_tanh"
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
@@ -101,6 +113,13 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj.forward(ops.silu_and_mul(gate_up))
+
+    def packed_targets(self, prefix: str) -> list[tuple[Linear, list[str]]]:
+        """This MLP's linears and the Hugging Face weight names each is the concatenation of."""
+        return [
+            (self.gate_up_proj, [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]),
+            (self.down_proj, [f"{prefix}down_proj.weight"]),
+        ]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -173,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_dense(self) -> int:
         """Give every fp32 linear its panels for the native dense GEMM; returns how many."""
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = self.lm_head.weight is not None and self.lm_head.weight is getattr(self.embed_tokens, "weight", None)
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         return sum(m.pack_dense(keep_weight=tied and m is self.lm_head) for m in linears)
 
@@ -184,9 +203,12 @@ class LlamaForCausalLM(nn.Module):
         """Build the model from Hugging Face-named weights, fusing q/k/v and gate/up.
 
         Parameters are created on the meta device and replaced by the loaded tensors, so no
-        time goes into random initialisation.
+        time goes into random initialisation. A weight may come as a ``QuantizedWeight``
+        (GGUF blocks kept packed): its linear layer then keeps the blocks, a fused layer
+        their row segments (not copied), and the embedding table looks rows up in them.
         """
         state = dict(state)
+        cat = lambda parts: cat_rows(parts, merge=False)  # noqa: E731 (segments keep the file's pages)
         rope_freqs = state.pop("rope_freqs", None)
         own: dict[str, torch.Tensor] = {}
         try:
@@ -195,12 +217,8 @@ class LlamaForCausalLM(nn.Module):
                 for kind in ("weight", "bias"):
                     names = [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
                     if all(n in state for n in names):
-                        own[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat([state.pop(n) for n in names])
-                if f"{p}mlp.gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
-                    continue
-                own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                    [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]
-                )
+                        own[f"layers.{i}.self_attn.qkv_proj.{kind}"] = cat([state.pop(n) for n in names])
+                cls.take_mlp_weights(arch, i, state, own)
         except KeyError as e:
             raise ValueError(f"model weights are missing {e.args[0]}") from e
         for name, tensor in state.items():
@@ -220,50 +238,81 @@ class LlamaForCausalLM(nn.Module):
         if unexpected:
             raise ValueError(f"unexpected model weights {unexpected[:5]}")
         for name, tensor in own.items():
-            if params[name].shape != tensor.shape:
+            if params[name].shape != weight_shape(tensor):
                 raise ValueError(
-                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                    f"weight {name} has shape {tuple(weight_shape(tensor))}, expected {tuple(params[name].shape)}"
                 )
-        model.load_state_dict({k: v.to(dtype).contiguous() for k, v in own.items()}, strict=False, assign=True)
+        quantized = {k: v for k, v in own.items() if is_quantized(v)}
+        dense = {k: v.to(dtype).contiguous() for k, v in own.items() if k not in quantized}
+        model.load_state_dict(dense, strict=False, assign=True)
+        modules = dict(model.named_modules())
+        for name, weight in quantized.items():
+            owner = modules[name.removesuffix(".weight")]
+            if owner is model.embed_tokens:
+                model.embed_tokens = QuantizedEmbedding(weight, dtype)
+            else:
+                owner.set_quant(segments(weight), drop_dense=True)
         if arch.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+            if isinstance(model.embed_tokens, QuantizedEmbedding):
+                model.lm_head.set_quant([model.embed_tokens.qweight], drop_dense=True)
+            else:
+                model.lm_head.weight = model.embed_tokens.weight
         if dtype != torch.float32:
             # Logits in fp32 (bf16 keeps ~3 digits: near-ties would flip on rounding), and the
             # linears in the matmul dtype; both hold the same bf16 values.
-            model.lm_head.weight = nn.Parameter(model.lm_head.weight.float(), requires_grad=False)
+            if model.lm_head.weight is not None:
+                model.lm_head.weight = nn.Parameter(model.lm_head.weight.float(), requires_grad=False)
             wide = matmul_dtype(dtype)
             for module in model.layers.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, Linear) and module.weight is not None:
                     module.weight = nn.Parameter(module.weight.to(wide), requires_grad=False)
         return model
 
-    def attach_packed(self, packed: dict[str, tuple[str, torch.Tensor]]) -> int:
-        """Give the linear layers their GGUF blocks (Hugging Face names -> (type, [rows, bytes])).
+    @classmethod
+    def take_mlp_weights(
+        cls, arch: ModelArch, layer: int, state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+    ) -> None:
+        """Move layer ``layer``'s MLP weights that need fusing from ``state`` (Hugging Face
+        names) into ``own`` (our names); what is left is renamed by dropping ``model.``."""
+        p = f"model.layers.{layer}.mlp."
+        if f"{p}gate_up_proj.weight" in state:  # Phi-3 ships it fused ([gate; up], as ours)
+            return
+        own[f"layers.{layer}.mlp.gate_up_proj.weight"] = cat_rows(
+            [state.pop(f"{p}gate_proj.weight"), state.pop(f"{p}up_proj.weight")], merge=False
+        )
 
-        Fused layers take the row-wise concatenation of their parts when all parts share one
-        block type; anything else keeps only the dense path. Returns how many layers got blocks.
+    def attach_packed(self, packed: dict[str, tuple[str, torch.Tensor]]) -> int:
+        """Give the linear layers their GGUF blocks (Hugging Face names -> (type, [rows, bytes]))
+        for small batches, beside their dense weights.
+
+        Q4_1 / Q8_0 layers (fused parts all of that type) get the grouped layout of the tuned
+        kernel; any other mix becomes row segments for ``kernels/gguf_ops.py``. Returns how
+        many layers got blocks.
         """
-        def parts(names: list[str]) -> tuple[str, torch.Tensor] | None:
+        def parts(names: list[str], in_features: int) -> list[QuantizedWeight] | None:
             found = [packed.get(n) for n in names]
-            if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+            if any(f is None for f in found):
                 return None
-            return found[0][0], torch.cat([f[1] for f in found])
+            return segments(cat_rows([QuantizedWeight(q, blocks, in_features) for q, blocks in found]))
 
         targets: list[tuple[Linear, list[str]]] = []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.mlp  # a dense MLP or a mixture of experts
             if attn.qkv_proj.bias is None:
                 targets.append((attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]))
             targets.append((attn.o_proj, [f"{p}self_attn.o_proj.weight"]))
-            targets.append((mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]))
-            targets.append((mlp.down_proj, [f"{p}mlp.down_proj.weight"]))
+            targets += mlp.packed_targets(f"{p}mlp.")
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         targets.append((self.lm_head, [head]))
         count = 0
         for linear, names in targets:
-            found = parts(names)
-            if found is not None:
-                linear.set_packed(found[1], found[0])
-                count += 1
+            found = parts(names, linear.in_features)
+            if found is None:
+                continue
+            if len(found) == 1 and found[0].qtype in GROUPED_TYPES:  # the tuned grouped kernel
+                linear.set_packed(found[0].data, found[0].qtype)
+            else:
+                linear.set_quant(found)
+            count += 1
         return count

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,15 +64,21 @@ def resolve_model(model: str | None) -> ModelSource:
     )
 
 
-def load_weights(
-    source: ModelSource,
-) -> tuple[ModelArch, dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor]]]:
-    """Architecture, fp32 state dict (Hugging Face names), and any GGUF blocks kept packed."""
+def load_weights(source: ModelSource, quantization: str | None = None) -> tuple[ModelArch, dict[str, Any]]:
+    """Architecture and state dict (Hugging Face names): fp32/bf16 tensors, and
+    ``QuantizedWeight``s for matrices kept in GGUF blocks (a GGUF file's, or a checkpoint's
+    quantized at load with ``quantization`` = int8 | int4)."""
     if source.format == "gguf":
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} is for Hugging Face checkpoints; a GGUF file is already quantized")
         from pagedllm.model.gguf_loader import load_gguf
 
         return load_gguf(source.path)
     from pagedllm.model.hf_loader import load_hf_dir
 
     arch, state = load_hf_dir(source.path)
-    return arch, state, {}
+    if quantization is not None:
+        from pagedllm.quantization.weight_only import quantize_state
+
+        quantize_state(state, quantization)
+    return arch, state

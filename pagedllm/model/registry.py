@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from pagedllm.model.arch import ModelArch
+from pagedllm.model.gemma2 import Gemma2ForCausalLM
 from pagedllm.model.gemma3 import Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.moe import Qwen3MoeForCausalLM
 
-_CLASSES: dict[str, type[LlamaForCausalLM]] = {"gemma3": Gemma3ForCausalLM}
+_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
 
 
 def model_class(arch: ModelArch) -> type[LlamaForCausalLM]:

@@ -11,6 +11,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_loader import unpermute_qk
 from tests.conftest import save_tiny_model
+from tests.kernels.test_gguf_kernels import random_gguf
 from tests.model.test_hf_models import oracle_greedy
 
 
@@ -28,7 +29,9 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def write_llama_gguf(hf_dir: Path, out: Path, arch: str = "llama", quant: str | None = None) -> Path:
     """Convert a tiny HF Llama to GGUF the way llama.cpp does (permuted Q/K): F32 tensors, or
-    with ``quant`` ("Q4_1", "Q8_0") the 2-D weights quantized after the permutation."""
+    with ``quant`` (a GGML type name) the 2-D weights in that type: quantized by the gguf
+    package after the permutation where it can, else (K-quants) random blocks of the type -
+    a different random model, but one whose weights are exactly such blocks."""
     import json
 
     import gguf
@@ -59,6 +62,10 @@ def write_llama_gguf(hf_dir: Path, out: Path, arch: str = "llama", quant: str | 
             w.add_tensor(name, np.ascontiguousarray(t))
             return
         qtype = getattr(gguf.GGMLQuantizationType, quant)
+        if quant.endswith("_K"):
+            blocks = random_gguf(quant, t.shape[0], t.shape[1], seed=t.shape[0] + len(name)).numpy()
+            w.add_tensor(name, blocks, raw_dtype=qtype)
+            return
         w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
 
     add("token_embd.weight", state["model.embed_tokens.weight"])
@@ -112,6 +119,38 @@ def test_quantized_gguf_runs_the_same_from_blocks_and_from_dense_weights(tmp_pat
         assert (model.lm_head.packed is not None) == packed
         runs[packed] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
     for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b, tok in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "quant", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+)
+def test_every_gguf_type_runs_from_its_blocks_like_its_dequantized_twin(tmp_path, quant):
+    """``dense_weights="no"``: every step (prefill chunks, a batch of decodes, single decodes)
+    and the embedding lookup read the GGUF blocks; the twin is the same file dequantized to
+    fp32 once (the gguf package) and run dense. Same greedy tokens, log-probs within 1e-4."""
+    from pagedllm.quantization.weights import QuantizedEmbedding
+
+    wide = quant.endswith("_K")  # K-quant rows hold whole 256-weight super-blocks
+    hf_dir = save_tiny_model(
+        tmp_path / "hf", seed=4, **(dict(hidden_size=256, intermediate_size=512, head_dim=64) if wide else {})
+    )
+    gguf_file = write_llama_gguf(hf_dir, tmp_path / "tiny.gguf", quant=quant)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 60))}, {"prompt_token_ids": [9] * 20}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = {}
+    for dense in ("no", "yes"):
+        llm = LLM(str(gguf_file), dtype="float32", num_kv_blocks=32, dense_weights=dense, packed_weights=False,
+                  max_num_batched_tokens=32, log_stats_interval=1e9)  # fmt: skip
+        model = llm.llm_engine.runner.model
+        linear = model.layers[1].self_attn.qkv_proj
+        assert (linear.weight is None and linear.panels is None and linear.quant[0].qtype == quant) == (dense == "no")
+        assert isinstance(model.embed_tokens, QuantizedEmbedding) == (dense == "no")
+        runs[dense] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]  # batched
+        runs[dense].append(llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0])  # alone
+    for a, b in zip(runs["no"], runs["yes"]):
         assert a.token_ids == b.token_ids
         for lp_a, lp_b, tok in zip(a.logprobs, b.logprobs, a.token_ids):
             assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 1e-4

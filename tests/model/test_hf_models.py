@@ -35,9 +35,20 @@ VARIANTS = {
     # 6 layers: 5 sliding (window 24) and 1 global, two RoPE bases, Gemma's norms and scale.
     "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 24,
                                "tie_word_embeddings": True, "max_position_embeddings": 512}),
+    # 4 layers alternating sliding (window 24) and global, soft-capped attention scores and logits.
+    "gemma2": ("gemma2", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 24, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 4.0, "final_logit_softcapping": 8.0, "tie_word_embeddings": True}),
+    # 3 layers: sparse (8 experts, top 2, renormalised), dense (mlp_only_layers), sparse.
+    "qwen3-moe": ("qwen3_moe", {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # Every other layer sparse (decoder_sparse_step), top 3 weights as the softmax gave them.
+    "qwen3-moe-step": ("qwen3_moe", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 32, "decoder_sparse_step": 2}),
 }
 # Where the native dense GEMM keeps no fp32 weight copy (the tied LM head shares the embedding).
-TIED = {"llama-tied", "gemma3"}
+TIED = {"llama-tied", "gemma2", "gemma3"}
+# Engine settings of a variant: these also prefill in chunks of 32 tokens.
+ENGINE_ARGS = {name: {"max_num_batched_tokens": 32} for name in ("gemma2", "qwen3-moe", "qwen3-moe-step")}
 
 
 def oracle_greedy(model, prompt: list[int], max_new: int) -> list[int]:
@@ -70,9 +81,11 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, variant):
     g = torch.Generator().manual_seed(0)
     # Lengths around and across block boundaries (block_size 16), in one batch.
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 40, 100)]
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9, **ENGINE_ARGS.get(variant, {}))
     model = llm.llm_engine.runner.model  # the native dense GEMM's panels replace the weights...
-    assert model.layers[0].mlp.down_proj.panels is not None and model.layers[0].mlp.down_proj.weight is None
+    mlp = model.layers[-1].mlp
+    mlp = mlp.experts[0] if hasattr(mlp, "experts") else mlp
+    assert mlp.down_proj.panels is not None and mlp.down_proj.weight is None
     assert model.lm_head.panels is not None  # ...except the one a tied LM head shares with the embedding
     assert (model.lm_head.weight is model.embed_tokens.weight) == (variant in TIED)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -96,6 +109,24 @@ def test_config_reading_handles_both_transformers_layouts():
     assert old.rope_theta == new.rope_theta == 5e5
     assert old.rope_scaling["factor"] == new.rope_scaling["factor"] == 8.0
     assert new.num_kv_heads == 2 and new.head_dim == 4
+
+
+def test_gemma_configs_without_layer_types_and_soft_caps():
+    """Configs from before ``layer_types`` slide on all but every n-th layer (Gemma 2: every
+    2nd is global, Gemma 3: every 6th); Gemma 2 reads its soft-caps, Gemma 3 refuses a final one."""
+    from pagedllm.model.arch import FULL, SLIDING, ModelArch
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=6, num_attention_heads=2,
+                sliding_window=4, query_pre_attn_scalar=4)  # fmt: skip
+    g2 = ModelArch.from_hf_config({**base, "model_type": "gemma2", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert g2.layer_types == [SLIDING, FULL] * 3 and g2.hidden_act == "gelu_tanh" and not g2.qk_norm
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.attention_scale) == (50.0, 30.0, 0.5)
+    g3 = ModelArch.from_hf_config({**base, "model_type": "gemma3_text", "sliding_window_pattern": 3})
+    assert g3.layer_types == [SLIDING, SLIDING, FULL] * 2 and g3.attn_logit_softcapping is None
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelArch.from_hf_config({**base, "model_type": "gemma3_text", "final_logit_softcapping": 30.0})
+    with pytest.raises(ValueError, match="bidirectional"):
+        ModelArch.from_hf_config({**base, "model_type": "gemma2", "use_bidirectional_attention": True})
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
