@@ -61,19 +61,30 @@ def test_gemma3_270m_matches_transformers(gemma_path, oracle):
     assert max(len(p) for p in prompts) > 700 and sum(len(p) > 512 for p in prompts) >= 3
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     # 64-token chunks; a pool too small for the two longest prompts at once (preemption);
-    # then every prompt again, its prefix from the cache.
-    llm = LLM(gemma_path, dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=72,
+    # then every prompt again, its prefix from the cache. A pool block holds 3 layers (6 KV-cache
+    # groups: 1 full, 5 sliding; kv_cache/groups.py): 500 blocks are the memory of 83 blocks of
+    # all 18 layers (the sliding groups free their blocks behind the window, so the old 72 x 6
+    # still preempts, but its pressure evicts every window the warm rerun could hit).
+    llm = LLM(gemma_path, dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=500,
               log_stats_interval=1e9)  # fmt: skip
     batch = [{"prompt_token_ids": p} for p in prompts]
+    cached = {}
     for run in ("cold", "warm"):
         outs = llm.generate(batch, params, use_tqdm=False)
+        cached[run] = sum(o.num_cached_tokens for o in outs)
         exact = sum(
             assert_greedy_parity(f"{run} prompt {i}", o.outputs[0].token_ids, ref, tie_tol=0.05)
             for i, (o, ref) in enumerate(zip(outs, results))
         )
         assert exact >= 9, f"{run}: {exact}/10 exact"
     assert llm.llm_engine.num_preemptions_total > 0
-    assert sum(o.num_cached_tokens for o in outs) > 0
+    # Prefix-cache hits: the ~850-token prompt adopts the ~600-token one's shared story prefix
+    # (32 blocks in every group) while both run; the warm rerun finds some prompts' blocks. A hit
+    # of L tokens needs each sliding group's blocks of the window before L.
+    assert cached["cold"] >= 512 and cached["warm"] > 0
+    kv = llm.llm_engine.kv_cache_manager
+    assert kv.num_groups == 6 and kv.num_skipped_total > 0  # sliding blocks went back while requests ran
+    kv.check_integrity()
 
 
 def test_gemma3_270m_from_its_gguf_blocks_matches_transformers(gemma_path, oracle):

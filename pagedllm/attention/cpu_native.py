@@ -3,17 +3,16 @@
 The pure-torch backends first gather every sequence's context into a contiguous copy (at
 64 sequences that copy was a quarter of a decode step); the kernel walks the block table
 instead. fp32 or bf16 caches on CPU (computing in fp32 either way):
-``get_attention_backend("auto")`` picks it when it can run.
+``get_attention_backend("auto")`` picks it when it can run. Sliding-window layers read only
+their window's blocks (the ones before it may already be freed, see kv_cache/groups.py).
 """
 
 from __future__ import annotations
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
-from pagedllm.attention.torch_sdpa import TorchSDPAAttention
 from pagedllm.kernels import ops
 
-_SDPA = TorchSDPAAttention()
 _REFERENCE = ReferenceAttention()
 
 
@@ -27,11 +26,9 @@ class NativeCPUAttention(AttentionBackend):
     ):
         if softcap is not None:  # the kernel has no score soft-capping: the explicit-math path
             return _REFERENCE.forward(q, k, v, key_cache, value_cache, meta, scale, window, softcap)
-        if window is not None and max(meta.seq_lens_list) > window:
-            # The kernel has no window yet: sliding layers past their window take the torch path.
-            return _SDPA.forward(q, k, v, key_cache, value_cache, meta, scale, window)
         ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(
-            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, meta.backend_cache
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window,
+            meta.backend_cache,
         )
         return out.to(q.dtype)

@@ -44,8 +44,9 @@ class LLMEngine:
         self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
         sizes = kv_cache_sizes(config, loaded.arch)
         self.kv_cache_manager = KVCacheManager(
-            sizes.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=sizes.num_swap_blocks
-        )
+            sizes.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=sizes.num_swap_blocks,
+            windows=sizes.layout.windows,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -92,12 +93,17 @@ class LLMEngine:
         resolved = {**config.to_dict(), "dtype": f"{config.dtype} -> {str(dtype).removeprefix('torch.')}",
                     "max_model_len": self.max_model_len}  # fmt: skip
         logger.info("config: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
-        num_tokens = sizes.num_blocks * config.block_size
+        layout = sizes.layout
+        num_tokens = sizes.num_blocks * config.block_size // len(layout.groups)  # of every layer
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at %d tokens/request: %.2fx",
-            sizes.num_blocks, config.block_size, num_tokens, sizes.num_blocks * sizes.block_bytes / (1 << 30),
-            str(dtype).removeprefix("torch."), self.max_model_len, num_tokens / self.max_model_len,
+            "KV cache: %d blocks x %d tokens x %d layers = %d tokens of all %d layers (%.2f GiB, %s); "
+            "max concurrency at %d tokens/request: %.2fx",
+            sizes.num_blocks, config.block_size, layout.num_slots, num_tokens, self.arch.num_layers,
+            sizes.num_blocks * sizes.block_bytes / (1 << 30), str(dtype).removeprefix("torch."), self.max_model_len,
+            sizes.num_blocks / self.kv_cache_manager.max_blocks_held(self.max_model_len, config.max_num_batched_tokens),
         )  # fmt: skip
+        if len(layout.groups) > 1 or layout.groups[0].window is not None:
+            logger.info("KV cache groups (sliding layers free the blocks behind their window): %s", layout.describe())
         logger.info("engine ready in %.1f s (threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
                     seconds, torch.get_num_threads(), torch.get_num_interop_threads())  # fmt: skip
 

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
 from pagedllm.kernels.ops import native_available
+from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.registry import model_class
@@ -39,9 +40,10 @@ class LoadedModel:
 
 @dataclass
 class KVCacheSizes:
-    block_bytes: int  # one block across all layers, keys and values
+    block_bytes: int  # one block across the layers of a KV-cache group (all layers without sliding ones)
     num_blocks: int
     num_swap_blocks: int
+    layout: KVCacheLayout
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -81,7 +83,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
     """Blocks in the KV pool (``num_kv_blocks``, else what ``kv_cache_space`` GiB holds) and in
-    the swap pool (``swap_space`` GiB, with ``preemption_mode="swap"``)."""
+    the swap pool (``swap_space`` GiB, with ``preemption_mode="swap"``). With sliding-window
+    layers a block holds the K/V of one KV-cache group's layers (kv_cache/groups.py), so the
+    same space holds more, smaller blocks, shared by all groups."""
+    layout = KVCacheLayout.from_arch(arch)
     block_bytes = kv_block_bytes(arch, config.block_size, config.torch_dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -91,4 +96,4 @@ def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
     num_swap = int(config.swap_space * (1 << 30) // block_bytes) if config.preemption_mode == "swap" else 0
-    return KVCacheSizes(block_bytes, num_blocks, num_swap)
+    return KVCacheSizes(block_bytes, num_blocks, num_swap, layout)

@@ -65,17 +65,24 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
     step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged cache for every token of the step (native, CPU).
 
     ``q`` [num_tokens, num_heads, head_dim]; the caches (fp32 or bf16) already hold this
     step's K/V; ``block_tables`` [num_seqs, max_blocks], ``seq_lens`` [num_seqs] and
-    ``query_start_loc`` [num_seqs + 1] are int64. ``step_cache``, a dict living for one step,
-    keeps the prepared arguments for the other layers. Computes in fp32 and returns fp32.
+    ``query_start_loc`` [num_seqs + 1] are int64. With a sliding ``window`` a query at
+    position p sees keys p - window + 1..p only, and table entries of blocks wholly before a
+    sequence's first query's window are never read (they may be placeholders). ``step_cache``,
+    a dict living for one step, keeps the prepared arguments for the other layers (of one
+    block table). Computes in fp32 and returns fp32; the torch twin
+    (``reference.paged_attention``) runs where the kernels cannot.
     """
     lib = load_kernels()
-    assert lib is not None and q.is_cpu and key_cache.is_cpu and key_cache.dtype == value_cache.dtype
+    if lib is None or not (q.is_cpu and key_cache.is_cpu) or key_cache.dtype not in (_F32, torch.bfloat16):
+        return reference.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window)
+    assert key_cache.dtype == value_cache.dtype
     kernel = {_F32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}[key_cache.dtype]
     args = step_cache.get("native") if step_cache is not None else None
     if args is None:  # once per step, shared by all layers
@@ -92,7 +99,7 @@ def paged_attention(
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     kernel(
         out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *args[0],
-        q.shape[1], num_kv_heads, head_dim, block_size, num_blocks, scale, torch.get_num_threads(),
+        q.shape[1], num_kv_heads, head_dim, block_size, num_blocks, window or 0, scale, torch.get_num_threads(),
     )
     return out
 

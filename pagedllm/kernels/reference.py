@@ -114,6 +114,44 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
 
 
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The twin of ``paged_attention_f32/bf16``: one sequence at a time, fp32, explicit mask.
+
+    Query row r of a sequence with q_len queries and ctx keys sits at position ctx - q_len + r
+    and sees keys max(0, p - window + 1)..p. Only the blocks some query sees are gathered, so
+    placeholder entries before the window are never touched (as in the kernel).
+    """
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    qsl = query_start_loc.tolist()
+    for s, ctx in enumerate(seq_lens.tolist()):
+        t0, t1 = qsl[s], qsl[s + 1]
+        if t1 == t0 or ctx <= 0:
+            continue
+        q_pos = torch.arange(ctx - (t1 - t0), ctx)[:, None]
+        first = max(0, ctx - (t1 - t0) - window + 1) if window else 0
+        k_pos = torch.arange(first, ctx)
+        slots = block_tables[s, k_pos // block_size] * block_size + k_pos % block_size
+        k = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [keys, H, D]
+        v = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[t0:t1].float(), k) * scale
+        hidden = k_pos[None, :] > q_pos
+        if window:
+            hidden |= k_pos[None, :] <= q_pos - window
+        out[t0:t1] = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    return out
+
+
 _BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # byte value -> its 8 bits, low first
 
 

@@ -15,7 +15,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.model.arch import ModelArch
-from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
+from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm, per_layer
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
@@ -35,13 +35,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
         residual = embeds * torch.tensor(self.arch.hidden_size**0.5, dtype=embeds.dtype)
+        metas = per_layer(meta, len(self.layers))
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer.input_layernorm.forward(residual)
-            x = layer.self_attn.forward(x, positions, self.layer_ropes[i], kv_cache, backend, meta)
+            m = meta if metas is None else metas[i]
+            x = layer.self_attn.forward(x, positions, self.layer_ropes[i], kv_cache, backend, m)
             x = layer.post_attention_layernorm.forward(x)
             x = layer.pre_feedforward_layernorm.forward(x, residual)  # residual += x, then norm
             x = layer.mlp.forward(x)

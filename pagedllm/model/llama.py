@@ -27,6 +27,15 @@ from pagedllm.quantization.weights import QuantizedEmbedding, QuantizedWeight, c
 GROUPED_TYPES = ("Q4_1", "Q8_0")
 
 
+def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata] | None:
+    """The per-layer metadata list, or None when one metadata serves every layer."""
+    if isinstance(meta, AttentionMetadata):
+        return None
+    if len(meta) != num_layers:
+        raise ValueError(f"{len(meta)} attention metadata for {num_layers} layers")
+    return meta
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32, cast back before the weight (as transformers does).
 
@@ -152,19 +161,24 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
+        """``meta``: the step's metadata, or one per layer (its KV-cache group's block tables,
+        when sliding layers have groups of their own: kv_cache/groups.py)."""
         # The residual stream; each norm adds the previous sublayer's output into it first.
         residual = self.embed_tokens(input_ids)
-        stack = self.fused_stack.get(self, backend, kv_caches, input_ids.shape[0])
-        if stack is not None:
-            return stack.run(residual.contiguous(), positions, meta)
+        metas = per_layer(meta, len(self.layers))
+        if metas is None:
+            stack = self.fused_stack.get(self, backend, kv_caches, input_ids.shape[0])
+            if stack is not None:
+                return stack.run(residual.contiguous(), positions, meta)
         # Submodules' forward() is called directly: at one token per step nn.Module's call
         # machinery was a tenth of the step.
         x = self.layers[0].input_layernorm.forward(residual)
         num_layers = len(self.layers)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer.self_attn.forward(x, positions, self.layer_ropes[i], kv_cache, backend, meta)
+            m = meta if metas is None else metas[i]
+            x = layer.self_attn.forward(x, positions, self.layer_ropes[i], kv_cache, backend, m)
             x = layer.post_attention_layernorm.forward(x, residual)
             x = layer.mlp.forward(x)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < num_layers else self.norm

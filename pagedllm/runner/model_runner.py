@@ -1,8 +1,9 @@
 """Turns a SchedulerOutput into tensors, runs the model over the flattened batch, samples.
 
 The runner owns everything device-side: the weights, the KV-cache tensors (one key and one
-value pool per layer, [num_blocks, block_size, num_kv_heads, head_dim]), the attention
-backend and the sampler. It reads only the step's plain data (``scheduler/output.py``) and
+value pool per layer slot of a KV-cache group, [num_blocks, block_size, num_kv_heads,
+head_dim]: per layer without sliding windows; see kv_cache/groups.py), the attention backend
+and the sampler. It reads only the step's plain data (``scheduler/output.py``) and
 keeps its own state per request: token ids (extended with what it samples), sampling
 params, seeded generator. The scheduler only ever sees block ids.
 """
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
+from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -47,9 +49,11 @@ class CachedRequestState:
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (keys and values)."""
+    """Bytes one pool block takes (keys and values): across all layers, or with sliding
+    windows across the layers of one KV-cache group."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    num_slots = KVCacheLayout.from_arch(arch).num_slots
+    return 2 * num_slots * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
 class ModelRunner:
@@ -72,16 +76,22 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend, dtype, self.device)
+        self.layout = KVCacheLayout.from_arch(self.arch)
         shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zero-filled so padded slots inside a gathered block are finite (masked, never NaN).
-        self.kv_caches = [
+        # One K and V per layer slot; layer l uses its slot's (shared with the layers of the
+        # same slot in other groups, at other blocks).
+        self.slot_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.arch.num_layers)
+            for _ in range(self.layout.num_slots)
         ]
+        self.kv_caches = [self.slot_caches[slot] for slot in self.layout.layer_slot]
         self.swap_caches = self._allocate_swap(num_swap_blocks, shape[1:], dtype, swap_path)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # Host staging buffer for block tables, allocated once.
-        self._block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
+        # Host staging buffers for block tables (one per KV-cache group), allocated once.
+        self._block_tables = [
+            np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64) for _ in self.layout.groups
+        ]
         self.sampler = Sampler(seed, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
@@ -118,20 +128,21 @@ class ModelRunner:
         if num_blocks <= 0:
             return []
         per_cache = num_blocks * int(torch.Size(block_shape).numel())
-        total = 2 * self.arch.num_layers * per_cache
+        num_slots = self.layout.num_slots
+        total = 2 * num_slots * per_cache
         if path is not None:
             flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
         else:
             flat = torch.zeros(total, dtype=dtype)
-        views = flat.view(2 * self.arch.num_layers, num_blocks, *block_shape)
-        return [(views[2 * i], views[2 * i + 1]) for i in range(self.arch.num_layers)]
+        views = flat.view(2 * num_slots, num_blocks, *block_shape)
+        return [(views[2 * i], views[2 * i + 1]) for i in range(num_slots)]
 
     def _swap(self, pairs: list[tuple[int, int]], to_swap: bool) -> None:
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs])
         dst = torch.tensor([d for _, d in pairs])
-        for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches):
+        for (k, v), (sk, sv) in zip(self.slot_caches, self.swap_caches):
             if to_swap:
                 sk.index_copy_(0, dst, k[src.to(k.device)].to(sk.device))
                 sv.index_copy_(0, dst, v[src.to(v.device)].to(sv.device))
@@ -144,7 +155,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.kv_caches:
+        for k, v in self.slot_caches:
             k.index_copy_(0, dst, k[src])
             v.index_copy_(0, dst, v[src])
 
@@ -177,32 +188,42 @@ class ModelRunner:
         starts = np.array([sched[i].num_computed_tokens for i in order], dtype=np.int64)
         seq_lens = starts + q_lens
         max_blocks = int(-(-seq_lens.max() // bs))
-        tables = self._block_tables[:num_seqs, :max_blocks]
-        tables.fill(0)
         tokens: list[int] = []
-        for row, i in enumerate(order):
+        for i in order:
             s = sched[i]
-            ids = s.block_ids[:max_blocks]
-            tables[row, : len(ids)] = ids
             tokens.extend(states[i].token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         positions = np.arange(len(tokens), dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        self._check_bounds(sched, tables, seq_lens, positions)
 
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(tables)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens_list=seq_lens.tolist(),
-            query_lens_list=q_lens.tolist(),
-            num_decodes=int((q_lens == 1).sum()),
-            block_size=bs,
-        )
+        seq_lens_t = torch.from_numpy(seq_lens).to(dev)
+        query_start_loc_t = torch.from_numpy(query_start_loc).to(dev)
+        seq_lens_list, q_lens_list = seq_lens.tolist(), q_lens.tolist()
+        num_decodes = int((q_lens == 1).sum())
+        metas: list[AttentionMetadata] = []
+        for g in range(len(self.layout.groups)):  # one block table (and slot mapping) per KV-cache group
+            tables = self._block_tables[g][:num_seqs, :max_blocks]
+            tables.fill(0)
+            for row, i in enumerate(order):
+                ids = sched[i].block_ids if g == 0 else sched[i].group_block_ids[g - 1]
+                ids = ids[:max_blocks]
+                tables[row, : len(ids)] = ids
+            slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+            self._check_bounds(sched, g, tables, seq_lens, positions)
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots).to(dev),
+                block_tables=torch.from_numpy(np.ascontiguousarray(tables)).to(dev),
+                seq_lens=seq_lens_t,
+                query_start_loc=query_start_loc_t,
+                seq_lens_list=seq_lens_list,
+                query_lens_list=q_lens_list,
+                num_decodes=num_decodes,
+                block_size=bs,
+            ))  # fmt: skip
+        # One metadata for every layer, or each layer its group's.
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
         hidden = self.model(
             torch.tensor(tokens, dtype=torch.int64, device=dev),
             torch.from_numpy(positions).to(dev),
@@ -228,16 +249,17 @@ class ModelRunner:
                 state.append(tok)
         return result
 
-    def _check_bounds(self, sched, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:
+    def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:
         """The native kernels trust their indices: check the step's once, here (a few numpy
         reductions), so a bad block id or position is an error, never a stray memory access."""
-        num_blocks = self.kv_caches[0][0].shape[0]
+        num_blocks = self.slot_caches[0][0].shape[0]
         max_positions = self.model.rope.cos.shape[0]
         for s in sched:
-            if not s.block_ids or min(s.block_ids) < 0 or max(s.block_ids) >= num_blocks:
+            ids = s.block_ids if group == 0 else s.group_block_ids[group - 1]
+            if not ids or min(ids) < 0 or max(ids) >= num_blocks:
                 raise ValueError(f"request {s.req_id}: block ids outside the pool [0, {num_blocks})")
-            if len(s.block_ids) * self.block_size < s.num_computed_tokens + s.num_new_tokens:
-                raise ValueError(f"request {s.req_id}: {len(s.block_ids)} blocks for {s.num_computed_tokens + s.num_new_tokens} tokens")
+            if len(ids) * self.block_size < s.num_computed_tokens + s.num_new_tokens:
+                raise ValueError(f"request {s.req_id}: {len(ids)} blocks for {s.num_computed_tokens + s.num_new_tokens} tokens")
         if seq_lens.min() < 1 or positions.min() < 0 or positions.max() >= max_positions:
             raise ValueError(f"step positions outside [0, {max_positions}) or an empty sequence")
         if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):

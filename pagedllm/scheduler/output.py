@@ -35,9 +35,11 @@ class ScheduledRequest:
     req_id: str
     num_new_tokens: int
     num_computed_tokens: int
-    block_ids: list[int]  # the request's whole block table after this step's allocation
+    block_ids: list[int]  # the request's whole block table after this step's allocation (KV group 0)
     samples: bool  # the chunk reaches the end of the known tokens, so a new token is due
     new: NewRequestData | None = None  # set when the runner must (re)learn the request
+    # The tables of KV-cache groups 1.. (models with sliding-window layers; kv_cache/groups.py).
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass

@@ -65,7 +65,7 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
-        needed = self.kv.num_blocks_for(total)
+        needed = self.kv.max_blocks_held(total, self.config.max_num_batched_tokens)
         if needed > self.kv.num_blocks:
             raise ValueError(
                 f"request needs {needed} KV blocks for {total} tokens but the pool holds only "
@@ -232,7 +232,8 @@ class Scheduler:
                 bad_words_token_ids=req.bad_words_token_ids,
             )
         samples = req.num_computed_tokens + n == req.num_tokens
-        return ScheduledRequest(req.request_id, n, req.num_computed_tokens, self.kv.get_block_ids(req.request_id), samples, data)
+        block_ids, *other_groups = self.kv.get_group_block_ids(req.request_id)
+        return ScheduledRequest(req.request_id, n, req.num_computed_tokens, block_ids, samples, data, tuple(other_groups))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Free a running request's blocks and requeue it; returns the budget it gave back."""
@@ -269,6 +270,7 @@ class Scheduler:
             req = self.requests[sched.req_id]
             req.num_computed_tokens += sched.num_new_tokens
             self.kv.cache_blocks(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)  # e.g. behind a sliding window
             for token in tokens:
                 req.append_output_token(token)
                 if req.first_token_time is None:

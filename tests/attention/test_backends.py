@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,7 +20,8 @@ def get_attention_backend(name: str, dtype: torch.dtype = torch.float32):
     return _get_backend(name, dtype, CPU)
 
 
-def make_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 32):
+def make_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 32,
+               shapes: list[tuple[int, int]] | None = None):
     """Random ragged batch: decodes first, then prefill chunks (some with a cached prefix).
 
     Returns (q, k, v, key_cache, value_cache, meta, dense) where ``dense`` holds each
@@ -27,7 +29,8 @@ def make_batch(seed: int, block_size: int, num_heads: int, num_kv_heads: int, dt
     """
     g = torch.Generator().manual_seed(seed)
     # (context length, query length): decodes, then prefills that are not block multiples.
-    shapes = [(1, 1), (17, 1), (block_size, 1), (3 * block_size + 5, 1), (40, 40), (2 * block_size + 3, 7), (9, 9)]
+    if shapes is None:
+        shapes = [(1, 1), (17, 1), (block_size, 1), (3 * block_size + 5, 1), (40, 40), (2 * block_size + 3, 7), (9, 9)]
     num_blocks = sum(math.ceil(c / block_size) for c, _ in shapes) + 5
     perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -96,6 +99,58 @@ def test_reference_matches_dense_and_fast_backends_match_reference_fp32(block_si
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     native = get_attention_backend("cpu_native").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     torch.testing.assert_close(native, ref, atol=1e-5, rtol=1e-5)
+
+
+# Decodes and prefill chunks (one starting at 0, others after a cached prefix) longer than the
+# windows, whose starts fall mid-block and mid 8-key chunk; GQA (3 query heads per KV head).
+WINDOW_SHAPES = [(1, 1), (23, 1), (100, 1), (131, 1), (40, 40), (70, 7), (97, 33)]
+
+
+@pytest.mark.parametrize("block_size", [16, 12])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("window", [5, 24])
+def test_sliding_window_skips_the_blocks_before_it(block_size, head_dim, window, heads=(6, 2)):
+    """Every backend honours the window; the native kernel and its torch twin never read a block
+    wholly before a sequence's first query's window (those hold NaN here, as if freed and reused)."""
+    from pagedllm.kernels import reference
+
+    num_heads, num_kv_heads = heads
+    q, k, v, kc, vc, meta, dense = make_batch(3, block_size, num_heads, num_kv_heads, torch.float32, head_dim,
+                                              WINDOW_SHAPES)  # fmt: skip
+    scale = 1 / math.sqrt(head_dim)
+    ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale, window)
+    sdpa = get_attention_backend("torch_sdpa").forward(q, k, v, kc.clone(), vc.clone(), meta, scale, window)
+    torch.testing.assert_close(sdpa, ref, atol=1e-5, rtol=1e-5)
+    full = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    assert not torch.allclose(full, ref)  # the window matters here
+    # The KV manager's placeholders (entries behind the window) name a block some other
+    # sequence holds (here the first one's): the torch backends gather and mask them.
+    behind = dataclasses.replace(meta, block_tables=meta.block_tables.clone(), backend_cache={})
+    null = int(meta.block_tables[0, 0])
+    poisoned = 0
+    for s, (ctx, q_len) in enumerate(WINDOW_SHAPES):
+        first_key = max(0, ctx - q_len - window + 1)
+        for j in range(first_key // block_size):
+            b = int(meta.block_tables[s, j])
+            kc[b], vc[b] = float("nan"), float("nan")
+            behind.block_tables[s, j] = null
+            poisoned += 1
+    assert poisoned > 0 and torch.isfinite(kc[null]).all()
+    for name in ("reference", "torch_sdpa"):  # masked, but multiplied by 0: finite garbage there (as in a pool)
+        kc_f, vc_f = kc.nan_to_num(1e4), vc.nan_to_num(1e4)
+        got = get_attention_backend(name).forward(q, k, v, kc_f, vc_f, behind, scale, window)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    native = get_attention_backend("cpu_native").forward(q, k, v, kc.clone(), vc.clone(), meta, scale, window)
+    torch.testing.assert_close(native, ref, atol=1e-5, rtol=1e-5)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ops.write_kv(k, v, kc2, vc2, meta.slot_mapping)
+    twin = reference.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window)
+    torch.testing.assert_close(twin, ref, atol=1e-5, rtol=1e-5)
+    bf16 = get_attention_backend("cpu_native", torch.bfloat16).forward(
+        q, k, v, kc.to(torch.bfloat16), vc.to(torch.bfloat16), meta, scale, window
+    )
+    assert torch.isfinite(bf16).all()
+    torch.testing.assert_close(bf16, ref, atol=3e-2, rtol=3e-2)
 
 
 def test_native_kernel_builds_here():

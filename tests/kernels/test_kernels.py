@@ -183,6 +183,10 @@ def test_portable_build_matches_the_torch_twins(monkeypatch):
     kc2, vc2 = kc.clone(), vc.clone()
     ops.write_kv(k, v, kc2, vc2, meta.slot_mapping)
     torch.testing.assert_close(ops.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125), ref, rtol=1e-5, atol=1e-5)
+    for window in (1, 5, 16, 21):  # the portable kernel's window against the torch twin's
+        twin = reference.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, window)
+        got = ops.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, window)
+        torch.testing.assert_close(got, twin, rtol=1e-5, atol=1e-5)
     x, w, res = torch.randn(9, 96), torch.randn(96), torch.randn(9, 96)
     want = res + x
     want = w * (want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-5))

@@ -2,7 +2,8 @@
 //
 // - paged_attention_{f32,bf16}: causal attention for a flattened batch (decodes and prefill
 //   chunks) that reads K/V in place from the paged cache through the block tables - no gather
-//   copy. The bf16 variant reads a bf16 cache (half the bytes) and computes in fp32.
+//   copy; a sliding window skips the blocks before it. The bf16 variant reads a bf16 cache (half
+//   the bytes) and computes in fp32.
 // - grouped_gemm_{q4_1,q8_0}: y = x @ W^T with W kept in GGUF blocks (regrouped), so a step reads
 //   0.6-1.1 bytes per weight instead of 4. Activations and accumulation stay fp32, so the
 //   result equals x @ dequantize(W)^T up to summation order.
@@ -29,11 +30,13 @@ extern "C" {
 void paged_attention_f32(float* out, const float* q, const float* key_cache, const float* value_cache,
                          const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                          const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads);
+                         int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t window, float scale,
+                         int nthreads);
 void paged_attention_bf16(float* out, const float* q, const uint16_t* key_cache, const uint16_t* value_cache,
                           const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                           const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads);
+                          int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t window, float scale,
+                          int nthreads);
 void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
 void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
@@ -137,16 +140,25 @@ inline __m256 hsum8(const __m256 acc[8]) {
 }
 
 // Attention of G <= MAX_GROUP query heads that share one KV head (q/out: G consecutive rows of
-// DV*8 floats) over ctx keys reached through the block table. Each K/V row is fetched once
+// DV*8 floats) over keys start..ctx-1 reached through the block table (start > 0: a sliding
+// window; the blocks before start's are never read - they may already belong to another
+// request). Each K/V row is fetched once
 // for all G heads - the first head brings it into L1, the others reuse it - which matters
 // because fetching rows from L2 is what bounds this loop (measured: ~40 cycles per key and
 // head when each head fetched its own). Two passes per head: scores of 8 keys at a time into
 // `scores` (G rows of `sstride` floats), softmax, then the weighted sum of V rows block by
 // block, with each head's DV accumulators parked in `accbuf` between blocks.
+//
+// Score chunks start at `a`: start rounded down to 8 when blocks are multiples of 8 (so a
+// chunk's 8 keys are consecutive slots of one block - start's own block), else start itself:
+//
+//     key positions:  a        start                               ctx
+//                     |  off   |<------------ L keys ------------->|
+//     scores[g]:      [masked  | softmax over these               ] (index = position - a)
 template <int DV, typename T>
 void attend_group(float* out, const float* q, int G, const T* key_cache, const T* value_cache, const int64_t* table,
-                  int64_t ctx, int64_t block_size, int64_t token_stride, int64_t head_offset, float scale,
-                  float* scores, int64_t sstride) {
+                  int64_t start, int64_t ctx, int64_t block_size, int64_t token_stride, int64_t head_offset,
+                  float scale, float* scores, int64_t sstride) {
     alignas(32) float qs[MAX_GROUP][DV * 8];
     alignas(32) float accbuf[MAX_GROUP][DV * 8];
     float vmaxs[MAX_GROUP];
@@ -154,10 +166,14 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
         for (int i = 0; i < DV * 8; i++) qs[g][i] = q[g * DV * 8 + i] * scale;
         vmaxs[g] = -3.0e38f;
     }
+    const bool aligned = block_size % 8 == 0;
+    const int64_t a = aligned ? start - start % 8 : start;
+    const int off = int(start - a);  // leading lanes of the first chunk that precede the window
+    const int64_t L = ctx - start;
     const T* krow[8];
-    for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
+    for (int64_t j0 = a; j0 < ctx; j0 += 8) {
         const int n = int(std::min<int64_t>(8, ctx - j0));
-        if (block_size % 8 == 0) {  // the 8 keys are consecutive slots of one block
+        if (aligned) {  // the 8 keys are consecutive slots of one block
             const int64_t slot = table[j0 / block_size] * block_size + j0 % block_size;
             for (int j = 0; j < 8; j++) krow[j] = key_cache + (slot + std::min(j, n - 1)) * token_stride + head_offset;
         } else {
@@ -166,6 +182,7 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
                 krow[j] = key_cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride + head_offset;
             }
         }
+        const int first_lane = j0 == a ? off : 0;  // lanes before the window stay out of the max
         for (int g = 0; g < G; g++) {
             __m256 dots[8];
             const __m256 q0 = _mm256_load_ps(qs[g]);
@@ -175,34 +192,35 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
                 for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + 8 * c), dots[j]);
             }
             const __m256 sv = hsum8(dots);  // lanes past n repeat a real key: harmless for the max
-            _mm256_storeu_ps(scores + g * sstride + j0, sv);
+            _mm256_storeu_ps(scores + g * sstride + (j0 - a), sv);
             alignas(32) float lanes[8];
             _mm256_store_ps(lanes, sv);
-            for (int j = 0; j < 8; j++) vmaxs[g] = std::max(vmaxs[g], lanes[j]);
+            for (int j = first_lane; j < 8; j++) vmaxs[g] = std::max(vmaxs[g], lanes[j]);
         }
     }
-    // Softmax of each head's ctx scores.
+    // Softmax of each head's L scores (those of keys start..ctx-1).
     float sums[MAX_GROUP];
     for (int g = 0; g < G; g++) {
-        float* sc = scores + g * sstride;
+        float* sc = scores + g * sstride + off;
         const __m256 mx = _mm256_set1_ps(vmaxs[g]);
         __m256 vsum = _mm256_setzero_ps();
         int64_t j = 0;
-        for (; j + 8 <= ctx; j += 8) {
+        for (; j + 8 <= L; j += 8) {
             const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx));
             vsum = _mm256_add_ps(vsum, e);
             _mm256_storeu_ps(sc + j, e);
         }
         sums[g] = hsum(vsum);
-        for (; j < ctx; j++) { sc[j] = std::exp(sc[j] - vmaxs[g]); sums[g] += sc[j]; }
+        for (; j < L; j++) { sc[j] = std::exp(sc[j] - vmaxs[g]); sums[g] += sc[j]; }
         for (int i = 0; i < DV * 8; i++) accbuf[g][i] = 0.f;
     }
-    // Weighted sum of V rows, a block at a time for all heads.
-    for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-        const T* vb = value_cache + table[j0 / block_size] * block_size * token_stride + head_offset;
-        const int64_t n = std::min(block_size, ctx - j0);
+    // Weighted sum of V rows, a block (or the window's part of the first one) at a time.
+    for (int64_t j0 = start; j0 < ctx;) {
+        const int64_t in_block = j0 % block_size;
+        const T* vb = value_cache + (table[j0 / block_size] * block_size + in_block) * token_stride + head_offset;
+        const int64_t n = std::min(block_size - in_block, ctx - j0);
         for (int g = 0; g < G; g++) {
-            const float* p = scores + g * sstride + j0;
+            const float* p = scores + g * sstride + (j0 - a);
             __m256 acc[DV];
             for (int c = 0; c < DV; c++) acc[c] = _mm256_load_ps(accbuf[g] + 8 * c);
             for (int64_t jj = 0; jj < n; jj++) {
@@ -212,6 +230,7 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
             }
             for (int c = 0; c < DV; c++) _mm256_store_ps(accbuf[g] + 8 * c, acc[c]);
         }
+        j0 += n;
     }
     for (int g = 0; g < G; g++) {
         const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
@@ -225,36 +244,40 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
 
 namespace {
 
-// Portable attention of one query head (any head_dim): scores, softmax, weighted sum.
+// Portable attention of one query head (any head_dim) over keys start..ctx-1: scores, softmax,
+// weighted sum (scores[j - start] belongs to key j).
 template <typename T>
 void attend_one_generic(float* out, const float* q, const T* key_cache, const T* value_cache,
-                        const int64_t* table, int64_t ctx, int64_t block_size, int64_t token_stride,
+                        const int64_t* table, int64_t start, int64_t ctx, int64_t block_size, int64_t token_stride,
                         int64_t head_offset, int64_t head_dim, float scale, std::vector<float>& scores) {
-    scores.resize(ctx);
+    scores.resize(ctx - start);
     float m = -3.0e38f;
-    for (int64_t j = 0; j < ctx; j++) {
+    for (int64_t j = start; j < ctx; j++) {
         const int64_t slot = table[j / block_size] * block_size + j % block_size;
-        scores[j] = dot(q, key_cache + slot * token_stride + head_offset, int(head_dim)) * scale;
-        m = std::max(m, scores[j]);
+        scores[j - start] = dot(q, key_cache + slot * token_stride + head_offset, int(head_dim)) * scale;
+        m = std::max(m, scores[j - start]);
     }
     float sum = 0.f;
-    for (int64_t j = 0; j < ctx; j++) { scores[j] = std::exp(scores[j] - m); sum += scores[j]; }
+    for (int64_t j = 0; j < ctx - start; j++) { scores[j] = std::exp(scores[j] - m); sum += scores[j]; }
     std::fill(out, out + head_dim, 0.f);
-    for (int64_t j = 0; j < ctx; j++) {
+    for (int64_t j = start; j < ctx; j++) {
         const int64_t slot = table[j / block_size] * block_size + j % block_size;
-        axpy(out, scores[j] / sum, value_cache + slot * token_stride + head_offset, int(head_dim));
+        axpy(out, scores[j - start] / sum, value_cache + slot * token_stride + head_offset, int(head_dim));
     }
 }
 
 
 // out/q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
 // Sequence s owns tokens query_start_loc[s] .. query_start_loc[s+1]-1, which are the last
-// positions of its seq_lens[s]-token context; token t at position p attends to positions 0..p.
+// positions of its seq_lens[s]-token context; token t at position p attends to positions 0..p,
+// or with a sliding `window` > 0 to max(0, p - window + 1)..p (transformers' sliding mask).
+// Table entries of blocks wholly before a sequence's first query's window are never read.
 template <typename T>
 void paged_attention(float* out, const float* q, const T* key_cache, const T* value_cache,
                      const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                      const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
+                     int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t window, float scale,
+                     int nthreads) {
     const int64_t num_tokens = query_start_loc[num_seqs];
 #ifdef PAGEDLLM_DEBUG
     for (int64_t s = 0; s < num_seqs; s++) {
@@ -262,7 +285,9 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
         const int64_t used = (seq_lens[s] + block_size - 1) / block_size;
         PAGEDLLM_CHECK(used <= block_table_stride, "seq %ld needs %ld blocks, table has %ld", long(s), long(used),
                        long(block_table_stride));
-        for (int64_t j = 0; j < used; j++) {
+        const int64_t first_query = seq_lens[s] - (query_start_loc[s + 1] - query_start_loc[s]);
+        const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query - window + 1) : 0;
+        for (int64_t j = first_key / block_size; j < used; j++) {
             const int64_t b = block_tables[s * block_table_stride + j];
             PAGEDLLM_CHECK(0 <= b && b < num_blocks, "seq %ld block %ld = %ld outside [0, %ld)", long(s), long(j),
                            long(b), long(num_blocks));
@@ -289,6 +314,7 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
             const int64_t t = w / num_kv_heads, kvh = w % num_kv_heads;
             const int64_t s = token_seq[t];
             const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // keys 0..ctx-1
+            const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // ..or start..ctx-1
             const int64_t* table = block_tables + s * block_table_stride;
             const int64_t offset = kvh * head_dim;
             if (ctx <= 0) {  // nothing to attend to (a malformed step): zeros, never a division by 0
@@ -302,18 +328,18 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
                 float* oh = out + (t * num_heads + h0) * head_dim;
 #ifdef PAGEDLLM_AVX2
                 if (head_dim == 64) {
-                    attend_group<8>(oh, qh, g, key_cache, value_cache, table, ctx, block_size, token_stride, offset,
+                    attend_group<8>(oh, qh, g, key_cache, value_cache, table, start, ctx, block_size, token_stride, offset,
                                     scale, scores.data(), sstride);
                     continue;
                 }
                 if (head_dim == 128) {
-                    attend_group<16>(oh, qh, g, key_cache, value_cache, table, ctx, block_size, token_stride, offset,
+                    attend_group<16>(oh, qh, g, key_cache, value_cache, table, start, ctx, block_size, token_stride, offset,
                                      scale, scores.data(), sstride);
                     continue;
                 }
 #endif
                 for (int i = 0; i < g; i++)
-                    attend_one_generic(oh + i * head_dim, qh + i * head_dim, key_cache, value_cache, table, ctx,
+                    attend_one_generic(oh + i * head_dim, qh + i * head_dim, key_cache, value_cache, table, start, ctx,
                                        block_size, token_stride, offset, head_dim, scale, scores);
             }
         }
@@ -325,18 +351,20 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
 void paged_attention_f32(float* out, const float* q, const float* key_cache, const float* value_cache,
                          const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                          const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
+                         int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t window, float scale,
+                         int nthreads) {
     paged_attention(out, q, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start_loc,
-                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, nthreads);
+                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, window, scale, nthreads);
 }
 
 // The same over a bf16 cache; q and out stay fp32.
 void paged_attention_bf16(float* out, const float* q, const bf16_t* key_cache, const bf16_t* value_cache,
                           const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                           const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
+                          int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t window, float scale,
+                          int nthreads) {
     paged_attention(out, q, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start_loc,
-                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, nthreads);
+                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, window, scale, nthreads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -805,8 +833,8 @@ int decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, co
             std::memcpy(q.data() + t * q_size, qkv.data() + t * qkv_size, sizeof(float) * q_size);
         paged_attention_f32(attn.data(), q.data(), static_cast<const float*>(ptr(l, 6)),
                             static_cast<const float*>(ptr(l, 7)), block_tables, block_table_stride, seq_lens,
-                            query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                            nthreads);
+                            query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                            /*window=*/0, scale, nthreads);
         gemm(qt[1], proj.data(), attn.data(), ptr(l, 3), hidden, q_size);
         rms_norm_f32(x.data(), proj.data(), hidden, residual, static_cast<const float*>(ptr(l, 1)), eps, T, hidden,
                      nthreads);
