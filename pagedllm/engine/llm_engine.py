@@ -68,6 +68,7 @@ class LLMEngine:
             seed=config.seed,
             num_swap_blocks=sizes.num_swap_blocks,
             swap_path=config.swap_path,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
@@ -89,14 +90,17 @@ class LLMEngine:
         if wide != dtype:
             logger.info("%s model: this CPU has no %s arithmetic, so its linears multiply the %s values in %s "
                         "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, wide)  # fmt: skip
+        kv_dtype = self.runner.kv_spec.name
         resolved = {**config.to_dict(), "dtype": f"{config.dtype} -> {str(dtype).removeprefix('torch.')}",
+                    "kv_cache_dtype": f"{config.kv_cache_dtype} -> {kv_dtype}",
                     "max_model_len": self.max_model_len}  # fmt: skip
         logger.info("config: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
         num_tokens = sizes.num_blocks * config.block_size
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at %d tokens/request: %.2fx",
-            sizes.num_blocks, config.block_size, num_tokens, sizes.num_blocks * sizes.block_bytes / (1 << 30),
-            str(dtype).removeprefix("torch."), self.max_model_len, num_tokens / self.max_model_len,
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s%s); max concurrency at %d tokens/request: %.2fx",
+            sizes.num_blocks, config.block_size, num_tokens, sizes.num_blocks * sizes.block_bytes / (1 << 30), kv_dtype,
+            " with per-token-per-head fp32 scales" if self.runner.kv_spec.quantized else "",
+            self.max_model_len, num_tokens / self.max_model_len,
         )  # fmt: skip
         logger.info("engine ready in %.1f s (threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
                     seconds, torch.get_num_threads(), torch.get_num_interop_threads())  # fmt: skip

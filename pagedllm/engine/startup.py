@@ -71,7 +71,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
     """Blocks in the KV pool (``num_kv_blocks``, else what ``kv_cache_space`` GiB holds) and in
     the swap pool (``swap_space`` GiB, with ``preemption_mode="swap"``)."""
-    block_bytes = kv_block_bytes(arch, config.block_size, config.torch_dtype)
+    block_bytes = kv_block_bytes(arch, config.block_size, config.torch_dtype, config.kv_cache_dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from pagedllm.config import DEFAULT_DTYPE, EngineConfig
+from pagedllm.config import DEFAULT_DTYPE, KV_CACHE_DTYPES, EngineConfig
 
 _DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -35,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"], help="what preemption does with the victim's KV blocks (default: %(default)s)")
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of secondary KV pool for --preemption-mode swap (default: %(default)s)")
     g.add_argument("--swap-path", default=None, help="memory-mapped file backing the swap pool (default: RAM)")
-    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds (fp32 or bf16 KV cache on CPU), else torch_sdpa (default: %(default)s)")
+    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds (fp32 or bf16 model on CPU; any KV cache dtype), else torch_sdpa (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default=defaults["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES), help="KV-cache storage; auto = the model's dtype (exact); int8 / fp8_e4m3 keep a scale per token and head and hold ~3.8x the tokens of float32 in the same space (default: %(default)s)")
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
 
 
