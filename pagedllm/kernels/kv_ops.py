@@ -155,28 +155,31 @@ def paged_attention_kv_reference(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The twin of ``paged_attention_kv``: per token, dequantise its visible keys and attend in fp32."""
+    """The twin of ``paged_attention_kv``: per sequence, dequantise its context and attend in fp32."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float32)
     qsl = query_start_loc.tolist()
     for s, ctx_len in enumerate(seq_lens.tolist()):
+        q_len = qsl[s + 1] - qsl[s]
+        if q_len == 0 or ctx_len <= 0:
+            continue
         positions = torch.arange(ctx_len)
         slots = block_tables[s][positions // block_size] * block_size + positions % block_size
-        k = dequantize(key_cache.flatten(0, 1)[slots], None if key_scale is None else key_scale.flatten(0, 1)[slots])
+        qs_ = q[qsl[s] : qsl[s + 1]].float()  # [q_len, H, D]
+        if key_cache.dtype == torch.int8:  # the kernel's integer dot products (see its docstring)
+            q8, q_scale = quantize(qs_ * scale, torch.int8)  # [q_len, H, D], [q_len, H]
+            k8 = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [ctx, H, D]
+            ks = key_scale.flatten(0, 1)[slots].repeat_interleave(group, dim=1)  # [ctx, H]
+            scores = torch.einsum("qhd,khd->qhk", q8.float(), k8) * (ks.T[None] * q_scale[..., None])
+        else:
+            k = dequantize(key_cache.flatten(0, 1)[slots], None if key_scale is None else key_scale.flatten(0, 1)[slots])
+            scores = torch.einsum("qhd,khd->qhk", qs_, k.repeat_interleave(group, dim=1)) * scale
         v = dequantize(value_cache.flatten(0, 1)[slots], None if value_scale is None else value_scale.flatten(0, 1)[slots])
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx, H, D]
-        for t in range(qsl[s], qsl[s + 1]):
-            p = ctx_len - (qsl[s + 1] - t)  # this token's position
-            lo = max(0, p - window + 1) if window else 0
-            if p < 0:
-                continue
-            if key_cache.dtype == torch.int8:  # the kernel's integer dot products (see its docstring)
-                q8, qs = quantize(q[t].float() * scale, torch.int8)
-                k8 = key_cache.flatten(0, 1)[slots[lo : p + 1]].float().repeat_interleave(group, dim=1)
-                ks = key_scale.flatten(0, 1)[slots[lo : p + 1]].repeat_interleave(group, dim=1)  # [n, H]
-                scores = torch.einsum("hd,khd->hk", q8.float(), k8) * (ks.T * qs[:, None])
-            else:
-                scores = torch.einsum("hd,khd->hk", q[t].float(), k[lo : p + 1]) * scale
-            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo : p + 1])
+        q_pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]  # token r of the chunk sits at q_pos[r]
+        hidden = positions[None, :] > q_pos
+        if window:
+            hidden |= positions[None, :] <= q_pos - window
+        probs = scores.masked_fill(hidden[:, None, :], float("-inf")).softmax(-1)
+        out[qsl[s] : qsl[s + 1]] = torch.einsum("qhk,khd->qhd", probs, v.repeat_interleave(group, dim=1))
     return out
