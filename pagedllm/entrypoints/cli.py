@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
 
     structured.add_args(so)
     so.set_defaults(func=lambda a: structured.run(a, engine_config_from_args(a).to_dict()) and 0)
+    kv = bench.add_parser("kv-cache-dtype", help="KV cache dtypes: decode-attention speed, accuracy against fp32, W1")
+    add_engine_args(kv)
+    from pagedllm.bench import kv_cache_dtype as bench_kv
+
+    bench_kv.add_args(kv)
+    kv.set_defaults(func=lambda a: bench_kv.run(a, engine_config_from_args(a).to_dict()) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
