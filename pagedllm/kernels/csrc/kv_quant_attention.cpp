@@ -302,7 +302,11 @@ template <typename T>
 void attend_group_kv(float* out, const float* q, int G, const T* key_cache, const T* value_cache,
                      const float* key_scales, const float* value_scales, const int64_t* table, int64_t lo, int64_t ctx,
                      int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t D, float scale, Scratch& buf) {
-    const int64_t token_stride = num_kv_heads * D;
+    // Where row r (this head's) of physical block `blk` and its scale live. (A head-major block
+    // layout, each head's rows contiguous, measured no faster: 4.86 vs 4.98 ms at 64 x 320.)
+    const int64_t row_stride = num_kv_heads * D;  // [num_blocks, block_size, num_kv_heads, D]
+    auto row_index = [&](int64_t blk, int64_t r) { return (blk * block_size + r) * num_kv_heads + kvh; };
+    auto row_of = [&](const T* cache, int64_t blk, int64_t r) { return cache + row_index(blk, r) * D; };
     const int64_t b_lo = lo / block_size, b_hi = (ctx + block_size - 1) / block_size;
     const int64_t base = b_lo * block_size, span = ctx - base;
     const int64_t sstride = (span + 15) / 8 * 8;
@@ -317,16 +321,14 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     const int64_t row_bytes = D * int64_t(sizeof(T));
     auto rows_of = [&](const T* cache, const float* scales, int64_t b, int64_t r0, int64_t r1) {
         // Dequantise rows r0..r1-1 of block b (this head) into tile rows r0..r1-1.
-        const int64_t slot0 = table[b] * block_size;
+        const int64_t blk = table[b];
         for (int64_t r = r0; r < r1; r++) {
-            const int64_t slot = slot0 + r;
-            const float s = scales != nullptr ? scales[slot * num_kv_heads + kvh] : 1.f;
-            dequant_row(tile + r * D, cache + slot * token_stride + kvh * D, s, D);
+            const float s = scales != nullptr ? scales[row_index(blk, r)] : 1.f;
+            dequant_row(tile + r * D, row_of(cache, blk, r), s, D);
         }
     };
     auto prefetch_block = [&](const T* cache, int64_t b) {
-        if (b < b_hi) prefetch_rows(cache + table[b] * block_size * token_stride + kvh * D, block_size,
-                                    token_stride * int64_t(sizeof(T)), row_bytes);
+        if (b < b_hi) prefetch_rows(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes);
     };
     // Pass 1: scores, block by block.
     float vmax[KVQ_MAX_GROUP];
@@ -354,7 +356,7 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
         prefetch_block(value_cache, b);
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
         if constexpr (int8_keys) {
-            const int64_t slot0 = table[b] * block_size;
+            const int64_t blk = table[b];
             for (int g = 0; g < G; g++) {
                 float* sc = buf.scores.data() + g * sstride + (b * block_size - base);
                 const int8_t* qg = buf.q8.data() + g * D;
@@ -367,9 +369,9 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
                         const int8_t* rows[8];
                         alignas(32) float ks[8];
                         for (int j = 0; j < 8; j++) {
-                            const int64_t slot = slot0 + r + std::min(j, n - 1);
-                            rows[j] = key_cache + slot * token_stride + kvh * D;
-                            ks[j] = key_scales[slot * num_kv_heads + kvh] * qs;
+                            const int64_t rj = r + std::min(j, n - 1);
+                            rows[j] = row_of(key_cache, blk, rj);
+                            ks[j] = key_scales[row_index(blk, rj)] * qs;
                         }
                         const __m256 ks8 = _mm256_load_ps(ks);
                         const __m256 sv = D == 64 ? scores8_i8<2>(rows, qg, ks8) : scores8_i8<4>(rows, qg, ks8);
@@ -380,9 +382,7 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
                 }
 #endif
                 for (; r < r1; r++) {
-                    const int64_t slot = slot0 + r;
-                    sc[r] = score_i8(key_cache + slot * token_stride + kvh * D, qg,
-                                     key_scales[slot * num_kv_heads + kvh] * qs, D);
+                    sc[r] = score_i8(row_of(key_cache, blk, r), qg, key_scales[row_index(blk, r)] * qs, D);
                 }
                 for (int64_t j = r0; j < r1; j++) vmax[g] = std::max(vmax[g], sc[j]);
             }
