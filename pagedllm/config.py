@@ -16,6 +16,10 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 # times fp32 speed) and float32 elsewhere (on AVX2-only CPUs bf16 matmuls are emulated and
 # ~7x slower than fp32, measured on an AMD EPYC here). The resolved dtype is logged.
 DEFAULT_DTYPE = "auto"
+# vLLM's --kv-cache-dtype values; "auto" = the model's dtype (exact). The others trade accuracy
+# for bytes: see attention/kv_cache_dtype.py and docs/kv_cache_dtype.md.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3"}
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE default.
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 
@@ -84,6 +88,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     seed: int = 0
     attention_backend: str = "auto"  # auto | cpu_native | torch_sdpa | reference
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
     packed_weights: bool = True  # GGUF models: small batches read the quantized blocks directly
     # Quantized models: also keep an fp32 copy of the weights for big steps? auto | yes | no
     # (auto: when it takes at most a third of the available memory; quantization/placement.py)
@@ -118,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"dense_weights must be auto, yes or no, got {self.dense_weights!r}")
         if self.quantization is not None and self.quantization not in ("int8", "int4"):
             raise ValueError(f"quantization must be int8 or int4 (or None), got {self.quantization!r}")
+        kv = KV_CACHE_DTYPE_ALIASES.get(str(self.kv_cache_dtype).lower(), str(self.kv_cache_dtype).lower())
+        if not isinstance(self.kv_cache_dtype, str) or kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.kernels import reference
+from pagedllm.attention.kv_cache_dtype import KVPool, write_kv
 
 
 @dataclass
@@ -49,7 +49,9 @@ class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache, then attends from the block tables.
 
     Shapes: ``q`` [num_tokens, num_heads, head_dim]; ``k``/``v`` [num_tokens, num_kv_heads,
-    head_dim]; each cache [num_blocks, block_size, num_kv_heads, head_dim]. Returns
+    head_dim]; each cache [num_blocks, block_size, num_kv_heads, head_dim], a plain tensor of any
+    float dtype or a ``QuantizedKV`` (int8 / fp8 values and their scales; see
+    ``kv_cache_dtype.py``): every backend reads every KV dtype. Returns
     [num_tokens, num_heads, head_dim]. Causal: a query at context position p sees 0..p, or with a
     sliding ``window`` only p - window + 1..p (as transformers' sliding-window mask). A
     ``softcap`` (Gemma 2) maps the scaled scores s to softcap * tanh(s / softcap) before the
@@ -65,11 +67,12 @@ class AttentionBackend(ABC):
     def write_kv(
         k: torch.Tensor,
         v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: KVPool,
+        value_cache: KVPool,
         slot_mapping: torch.Tensor,
     ) -> None:
-        reference.write_kv(k, v, key_cache, value_cache, slot_mapping)
+        """The torch write (quantising for a ``QuantizedKV``); the native backend overrides it."""
+        write_kv(k, v, key_cache, value_cache, slot_mapping, native=False)
 
     @abstractmethod
     def forward(
@@ -77,8 +80,8 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: KVPool,
+        value_cache: KVPool,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
@@ -87,8 +90,8 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
-    """The named backend; "auto" = the native CPU kernel where it runs (fp32 or bf16 KV on
-    CPU and the kernel library built), else torch_sdpa."""
+    """The named backend; "auto" = the native CPU kernel where it runs (an fp32 or bf16 model on
+    CPU and the kernel library built; it reads every KV cache dtype), else torch_sdpa."""
     from pagedllm.attention.cpu_native import NativeCPUAttention
     from pagedllm.attention.reference import ReferenceAttention
     from pagedllm.attention.torch_sdpa import TorchSDPAAttention

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.kv_cache_dtype import KVPool, gather_blocks, pool_slots
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached tokens of one sequence: [length, num_kv_heads, head_dim]."""
+def gather_context(cache: KVPool, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached tokens of one sequence in fp32: [length, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    positions = torch.arange(length, device=cache.device)
+    positions = torch.arange(length, device=block_table.device)
     slots = block_table[positions // block_size] * block_size + positions % block_size
-    return cache.flatten(0, 1)[slots]
+    return gather_blocks(pool_slots(cache), slots, torch.float32)
 
 
 class ReferenceAttention(AttentionBackend):
@@ -28,8 +29,8 @@ class ReferenceAttention(AttentionBackend):
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             qi = q[start : start + q_len].float()  # [q_len, H, D]
-            ki = gather_context(key_cache, meta.block_tables[i], ctx_len).float()
-            vi = gather_context(value_cache, meta.block_tables[i], ctx_len).float()
+            ki = gather_context(key_cache, meta.block_tables[i], ctx_len)
+            vi = gather_context(value_cache, meta.block_tables[i], ctx_len)
             ki = ki.repeat_interleave(group, dim=1)  # [ctx, H, D]
             vi = vi.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale

@@ -3,7 +3,8 @@
 Decode sequences (one query token each) run as one batched SDPA over their gathered,
 padded contexts; GQA is folded into the query axis ([B, kv_heads, group, D]) so K/V are
 never repeated. Prefill chunks run one SDPA each with a causal mask offset by the
-already-cached prefix.
+already-cached prefix. A KV cache of another dtype than the model's (fp16, int8, fp8) is
+dequantised block by block as it is gathered, so attention runs in the model's dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.kv_cache_dtype import gather_blocks
 from pagedllm.attention.reference import ReferenceAttention
 
 _REFERENCE = ReferenceAttention()
@@ -37,8 +39,8 @@ class TorchSDPAAttention(AttentionBackend):
             nb = -(-max_len // block_size)
             table = meta.block_tables[:nd, :nb]
             # [nd, nb, bs, Hkv, D] -> [nd, Hkv, nb*bs, D]
-            kd = key_cache[table].flatten(1, 2).transpose(1, 2)
-            vd = value_cache[table].flatten(1, 2).transpose(1, 2)
+            kd = gather_blocks(key_cache, table, q.dtype).flatten(1, 2).transpose(1, 2)
+            vd = gather_blocks(value_cache, table, q.dtype).flatten(1, 2).transpose(1, 2)
             pos = torch.arange(nb * block_size, device=q.device)[None, :]
             mask = pos < meta.seq_lens[:nd, None]
             if window is not None:  # the query sits at seq_len - 1
@@ -51,8 +53,8 @@ class TorchSDPAAttention(AttentionBackend):
             q_len, ctx_len = meta.query_lens_list[i], meta.seq_lens_list[i]
             nb = -(-ctx_len // block_size)
             blocks = meta.block_tables[i, :nb]
-            ki = key_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
-            vi = value_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
+            ki = gather_blocks(key_cache, blocks, q.dtype).flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
+            vi = gather_blocks(value_cache, blocks, q.dtype).flatten(0, 1)[:ctx_len].transpose(0, 1)
             qi = q[start : start + q_len].transpose(0, 1).to(ki.dtype)  # [H, q_len, D]
             # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow "math" kernel (5x).
             if q_len == ctx_len and window is None:

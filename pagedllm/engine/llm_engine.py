@@ -69,6 +69,7 @@ class LLMEngine:
             seed=config.seed,
             num_swap_blocks=sizes.num_swap_blocks,
             swap_path=config.swap_path,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
@@ -90,16 +91,19 @@ class LLMEngine:
         if wide != dtype:
             logger.info("%s model: this CPU has no %s arithmetic, so its linears multiply the %s values in %s "
                         "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, wide)  # fmt: skip
+        kv_dtype = self.runner.kv_spec.name
         resolved = {**config.to_dict(), "dtype": f"{config.dtype} -> {str(dtype).removeprefix('torch.')}",
+                    "kv_cache_dtype": f"{config.kv_cache_dtype} -> {kv_dtype}",
                     "max_model_len": self.max_model_len}  # fmt: skip
         logger.info("config: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
         layout = sizes.layout
         num_tokens = sizes.num_blocks * config.block_size // len(layout.groups)  # of every layer
         logger.info(
-            "KV cache: %d blocks x %d tokens x %d layers = %d tokens of all %d layers (%.2f GiB, %s); "
+            "KV cache: %d blocks x %d tokens x %d layers = %d tokens of all %d layers (%.2f GiB, %s%s); "
             "max concurrency at %d tokens/request: %.2fx",
             sizes.num_blocks, config.block_size, layout.num_slots, num_tokens, self.arch.num_layers,
-            sizes.num_blocks * sizes.block_bytes / (1 << 30), str(dtype).removeprefix("torch."), self.max_model_len,
+            sizes.num_blocks * sizes.block_bytes / (1 << 30), kv_dtype,
+            " with per-token-per-head fp32 scales" if self.runner.kv_spec.quantized else "", self.max_model_len,
             sizes.num_blocks / self.kv_cache_manager.max_blocks_held(self.max_model_len, config.max_num_batched_tokens),
         )  # fmt: skip
         if len(layout.groups) > 1 or layout.groups[0].window is not None:

@@ -87,7 +87,7 @@ def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
     layers a block holds the K/V of one KV-cache group's layers (kv_cache/groups.py), so the
     same space holds more, smaller blocks, shared by all groups."""
     layout = KVCacheLayout.from_arch(arch)
-    block_bytes = kv_block_bytes(arch, config.block_size, config.torch_dtype)
+    block_bytes = kv_block_bytes(arch, config.block_size, config.torch_dtype, config.kv_cache_dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:

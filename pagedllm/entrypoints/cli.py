@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from pagedllm.config import DEFAULT_DTYPE, EngineConfig
+from pagedllm.config import DEFAULT_DTYPE, KV_CACHE_DTYPES, EngineConfig
 
 _DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -35,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"], help="what preemption does with the victim's KV blocks (default: %(default)s)")
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of secondary KV pool for --preemption-mode swap (default: %(default)s)")
     g.add_argument("--swap-path", default=None, help="memory-mapped file backing the swap pool (default: RAM)")
-    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds (fp32 or bf16 KV cache on CPU), else torch_sdpa (default: %(default)s)")
+    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds (fp32 or bf16 model on CPU; any KV cache dtype), else torch_sdpa (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default=defaults["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES), help="KV-cache storage; auto = the model's dtype (exact); int8 / fp8_e4m3 keep a scale per token and head and hold ~3.8x the tokens of float32 in the same space (default: %(default)s)")
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
@@ -126,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 
     weight_quant.add_args(wq)
     wq.set_defaults(func=lambda a: weight_quant.run(a, engine_config_from_args(a).to_dict()) and 0)
+    kv = bench.add_parser("kv-cache-dtype", help="KV cache dtypes: decode-attention speed, accuracy against fp32, W1")
+    add_engine_args(kv)
+    from pagedllm.bench import kv_cache_dtype as bench_kv
+
+    bench_kv.add_args(kv)
+    kv.set_defaults(func=lambda a: bench_kv.run(a, engine_config_from_args(a).to_dict()) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -24,6 +24,7 @@ import logging
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.kv_cache_dtype import QuantizedKV, cache_parts
 from pagedllm.kernels import ops
 from pagedllm.kernels.build import load_kernels
 from pagedllm.model.linear import PACKED_MAX_ROWS, packed_generation
@@ -58,6 +59,8 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | 
                 return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
             if lin.bias is not None:
                 return f"layer {i} has a linear with a bias"
+        if isinstance(kc, QuantizedKV) or isinstance(vc, QuantizedKV):
+            return f"layer {i}'s KV cache is quantised ({kc.dtype}), not contiguous fp32"
         if kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
             return f"layer {i}'s KV cache is {kc.dtype}, not contiguous fp32"
     return None
@@ -75,7 +78,8 @@ class FusedDecoderStack:
     def _key_of(kv_caches) -> tuple:
         """What the plan captured: the packed weights (through their generation counter) and
         the KV caches. Cheap, since it runs every small step."""
-        return packed_generation(), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), len(kv_caches)
+        first, last = cache_parts(kv_caches[0][0])[0], cache_parts(kv_caches[-1][1])[0]
+        return packed_generation(), first.data_ptr(), last.data_ptr(), len(kv_caches)
 
     def get(self, model, backend: AttentionBackend, kv_caches, num_tokens: int) -> "_NativePlan | None":
         if num_tokens > PACKED_MAX_ROWS or not backend.fused_decoder_stack or not ops.enabled():

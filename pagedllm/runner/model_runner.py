@@ -2,7 +2,8 @@
 
 The runner owns everything device-side: the weights, the KV-cache tensors (one key and one
 value pool per layer slot of a KV-cache group, [num_blocks, block_size, num_kv_heads,
-head_dim]: per layer without sliding windows; see kv_cache/groups.py), the attention backend
+head_dim]: per layer without sliding windows; see kv_cache/groups.py - stored as the
+``kv_cache_dtype`` says: see ``attention/kv_cache_dtype.py``), the attention backend
 and the sampler. It reads only the step's plain data (``scheduler/output.py``) and
 keeps its own state per request: token ids (extended with what it samples), sampling
 params, seeded generator. The scheduler only ever sees block ids.
@@ -16,6 +17,9 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
+from pagedllm.attention.kv_cache_dtype import (
+    KVCacheSpec, KVPool, allocate_pool, cache_parts, carve_pool, pool_nbytes, resolve_kv_cache_dtype,
+)  # fmt: skip
 from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
@@ -48,12 +52,12 @@ class CachedRequestState:
         self.token_ids.append(token_id)
 
 
-def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one pool block takes (keys and values): across all layers, or with sliding
-    windows across the layers of one KV-cache group."""
-    elem = torch.empty((), dtype=dtype).element_size()
+def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one pool block takes (keys and values, and their scales when quantised): across
+    all layers, or with sliding windows across the layers of one KV-cache group."""
+    spec = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     num_slots = KVCacheLayout.from_arch(arch).num_slots
-    return 2 * num_slots * block_size * arch.num_kv_heads * arch.head_dim * elem
+    return 2 * num_slots * block_size * arch.num_kv_heads * spec.bytes_per_token_head(arch.head_dim)
 
 
 class ModelRunner:
@@ -70,6 +74,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         num_swap_blocks: int = 0,
         swap_path: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         self.arch = model.arch
@@ -77,16 +82,18 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend, dtype, self.device)
         self.layout = KVCacheLayout.from_arch(self.arch)
+        self.kv_spec: KVCacheSpec = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        self.num_blocks = num_blocks
         shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zero-filled so padded slots inside a gathered block are finite (masked, never NaN).
         # One K and V per layer slot; layer l uses its slot's (shared with the layers of the
         # same slot in other groups, at other blocks).
-        self.slot_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+        self.slot_caches: list[tuple[KVPool, KVPool]] = [
+            (allocate_pool(self.kv_spec, shape, self.device), allocate_pool(self.kv_spec, shape, self.device))
             for _ in range(self.layout.num_slots)
         ]
         self.kv_caches = [self.slot_caches[slot] for slot in self.layout.layer_slot]
-        self.swap_caches = self._allocate_swap(num_swap_blocks, shape[1:], dtype, swap_path)
+        self.swap_caches = self._allocate_swap(num_swap_blocks, shape[1:], swap_path)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # Host staging buffers for block tables (one per KV-cache group), allocated once.
         self._block_tables = [
@@ -122,42 +129,49 @@ class ModelRunner:
         return g
 
     def _allocate_swap(
-        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, path: str | None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The secondary pool for swap preemption: host memory, or a memory-mapped file."""
+        self, num_blocks: int, block_shape: tuple[int, ...], path: str | None
+    ) -> list[tuple[KVPool, KVPool]]:
+        """The secondary pool for swap preemption, laid out as the KV pools (scales included):
+        host memory, or a memory-mapped file, carved into every layer's pools."""
         if num_blocks <= 0:
             return []
-        per_cache = num_blocks * int(torch.Size(block_shape).numel())
+        shape = (num_blocks, *block_shape)
+        per_pool = pool_nbytes(self.kv_spec, shape)
         num_slots = self.layout.num_slots
-        total = 2 * num_slots * per_cache
+        total = 2 * num_slots * per_pool
         if path is not None:
-            flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
+            flat = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         else:
-            flat = torch.zeros(total, dtype=dtype)
-        views = flat.view(2 * num_slots, num_blocks, *block_shape)
-        return [(views[2 * i], views[2 * i + 1]) for i in range(num_slots)]
+            flat = torch.zeros(total, dtype=torch.uint8)
+        pools = [carve_pool(self.kv_spec, shape, flat[i * per_pool : (i + 1) * per_pool]) for i in range(2 * num_slots)]
+        return [(pools[2 * i], pools[2 * i + 1]) for i in range(num_slots)]
+
+    @staticmethod
+    def _block_tensors(caches: list[tuple[KVPool, KVPool]]) -> list[torch.Tensor]:
+        """Every tensor indexed by block (values and scales of keys and values of every slot)."""
+        return [t for k, v in caches for pool in (k, v) for t in cache_parts(pool)]
 
     def _swap(self, pairs: list[tuple[int, int]], to_swap: bool) -> None:
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs])
         dst = torch.tensor([d for _, d in pairs])
-        for (k, v), (sk, sv) in zip(self.slot_caches, self.swap_caches):
+        for t, st in zip(self._block_tensors(self.slot_caches), self._block_tensors(self.swap_caches)):
+            # Bytes, not values: index_copy_ has no fp8 kernel on CPU.
+            t, st = t.view(torch.uint8), st.view(torch.uint8)
             if to_swap:
-                sk.index_copy_(0, dst, k[src.to(k.device)].to(sk.device))
-                sv.index_copy_(0, dst, v[src.to(v.device)].to(sv.device))
+                st.index_copy_(0, dst, t[src.to(t.device)].to(st.device))
             else:
-                k.index_copy_(0, dst.to(k.device), sk[src].to(k.device))
-                v.index_copy_(0, dst.to(v.device), sv[src].to(v.device))
+                t.index_copy_(0, dst.to(t.device), st[src].to(t.device))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.slot_caches:
-            k.index_copy_(0, dst, k[src])
-            v.index_copy_(0, dst, v[src])
+        for t in self._block_tensors(self.slot_caches):
+            t = t.view(torch.uint8)
+            t.index_copy_(0, dst, t[src])
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Apply the step's block moves (``update_states`` does, before ``execute``).
@@ -252,7 +266,7 @@ class ModelRunner:
     def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:
         """The native kernels trust their indices: check the step's once, here (a few numpy
         reductions), so a bad block id or position is an error, never a stray memory access."""
-        num_blocks = self.slot_caches[0][0].shape[0]
+        num_blocks = self.num_blocks
         max_positions = self.model.rope.cos.shape[0]
         for s in sched:
             ids = s.block_ids if group == 0 else s.group_block_ids[group - 1]
