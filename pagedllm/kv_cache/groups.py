@@ -30,8 +30,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from pagedllm.model.arch import ModelArch
+
+class LayeredModel(Protocol):
+    """What the layout needs of a model's architecture (``model.arch.ModelArch`` has it; the
+    KV cache layer does not import the model layer)."""
+
+    num_layers: int
+    sliding_window: int | None
+
+    def is_sliding(self, layer: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class KVCacheLayout:
         return cls((KVCacheGroup(None, tuple(range(num_layers))),), (0,) * num_layers, tuple(range(num_layers)))
 
     @classmethod
-    def from_arch(cls, arch: ModelArch) -> "KVCacheLayout":
+    def from_arch(cls, arch: LayeredModel) -> "KVCacheLayout":
         windows = [arch.sliding_window if arch.is_sliding(i) else None for i in range(arch.num_layers)]
         return cls.from_windows(windows)
 

@@ -83,8 +83,13 @@ def test_a_backend_writes_the_step_into_its_slots(kv_dtype, backend):
         assert ((got - want).abs() <= bound * (1 + 1e-5) + 1e-30).all()
 
 
+# The KV-cache shape of SmolLM2-135M (no sliding windows: one KV-cache group of all layers).
+SMOLLM2_SHAPE = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, sliding_window=None,
+                                is_sliding=lambda layer: False)  # fmt: skip
+
+
 def test_block_bytes_count_the_scales():
-    arch = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M
+    arch = SMOLLM2_SHAPE
     fp32 = kv_block_bytes(arch, 16, torch.float32)
     assert fp32 == 2 * 30 * 16 * 3 * 64 * 4
     assert kv_block_bytes(arch, 16, torch.float32, "auto") == fp32
@@ -100,7 +105,7 @@ def test_block_bytes_count_the_scales():
 def test_kv_cache_space_buys_3_8x_the_blocks_with_int8():
     from pagedllm.engine.startup import kv_cache_sizes
 
-    arch = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    arch = SMOLLM2_SHAPE
     fp32 = kv_cache_sizes(EngineConfig(kv_cache_space=1.0), arch).num_blocks
     int8 = kv_cache_sizes(EngineConfig(kv_cache_space=1.0, kv_cache_dtype="int8"), arch).num_blocks
     assert int8 / fp32 == pytest.approx(3.76, abs=0.01)
