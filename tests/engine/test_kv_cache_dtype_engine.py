@@ -7,8 +7,19 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
-PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(20 + 5 * i)]} for i in range(6)]
-PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(20 + 5 * i)]} for i in range(4)]
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture
+def one_thread():
+    """Hundreds of tiny steps: on a busy 2-core machine each waits for a second thread's turn."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _generate(model, **kw) -> tuple[list[list[int]], int]:
@@ -18,10 +29,10 @@ def _generate(model, **kw) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "float16"])
-def test_preempted_requests_give_the_same_tokens(tiny_llama, kv_cache_dtype, tmp_path):
+def test_preempted_requests_give_the_same_tokens(tiny_llama, kv_cache_dtype, tmp_path, one_thread):
     want, none = _generate(tiny_llama, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)
     assert none == 0
-    small = dict(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=9, max_num_batched_tokens=64, enable_prefix_caching=False)
+    small = dict(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=6, max_num_batched_tokens=64, enable_prefix_caching=False)
     swapped, n_swap = _generate(tiny_llama, preemption_mode="swap", swap_space=0.01, swap_path=str(tmp_path / "swap"), **small)
     recomputed, n_rec = _generate(tiny_llama, **small)
     assert n_swap > 0 and n_rec > 0
