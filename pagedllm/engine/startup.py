@@ -22,7 +22,7 @@ from pagedllm.model.loader import ModelSource, load_weights, resolve_model
 from pagedllm.quantization.placement import choose as choose_placement
 from pagedllm.quantization.placement import log_placement
 from pagedllm.quantization.weights import QuantizedWeight
-from pagedllm.runner.model_runner import kv_block_bytes
+from pagedllm.runner.model_runner import kv_block_bytes, kv_cache_layout
 from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagedllm.engine")
@@ -86,7 +86,7 @@ def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
     the swap pool (``swap_space`` GiB, with ``preemption_mode="swap"``). With sliding-window
     layers a block holds the K/V of one KV-cache group's layers (kv_cache/groups.py), so the
     same space holds more, smaller blocks, shared by all groups."""
-    layout = KVCacheLayout.from_arch(arch)
+    layout = kv_cache_layout(arch)
     block_bytes = kv_block_bytes(arch, config.block_size, config.torch_dtype, config.kv_cache_dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

@@ -30,17 +30,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
-
-
-class LayeredModel(Protocol):
-    """What the layout needs of a model's architecture (``model.arch.ModelArch`` has it; the
-    KV cache layer does not import the model layer)."""
-
-    num_layers: int
-    sliding_window: int | None
-
-    def is_sliding(self, layer: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -74,14 +63,10 @@ class KVCacheLayout:
         return cls((KVCacheGroup(None, tuple(range(num_layers))),), (0,) * num_layers, tuple(range(num_layers)))
 
     @classmethod
-    def from_arch(cls, arch: LayeredModel) -> "KVCacheLayout":
-        windows = [arch.sliding_window if arch.is_sliding(i) else None for i in range(arch.num_layers)]
-        return cls.from_windows(windows)
-
-    @classmethod
     def from_windows(cls, windows: list[int | None]) -> "KVCacheLayout":
-        """Groups for layers with these windows (None = full): full groups first, then sliding
-        ones by window, each type's layers cut in order into groups of gcd(type counts)."""
+        """Groups for layers with these windows (None = full; the runner reads them off the
+        model's architecture): full groups first, then sliding ones by window, each type's
+        layers cut in order into groups of gcd(type counts)."""
         by_type: dict[int | None, list[int]] = {}
         for layer, w in enumerate(windows):
             by_type.setdefault(w, []).append(layer)

@@ -52,11 +52,16 @@ class CachedRequestState:
         self.token_ids.append(token_id)
 
 
+def kv_cache_layout(arch: ModelArch) -> KVCacheLayout:
+    """The model's KV-cache groups: one per attention type and window (kv_cache/groups.py)."""
+    return KVCacheLayout.from_windows([arch.sliding_window if arch.is_sliding(i) else None for i in range(arch.num_layers)])
+
+
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes one pool block takes (keys and values, and their scales when quantised): across
     all layers, or with sliding windows across the layers of one KV-cache group."""
     spec = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-    num_slots = KVCacheLayout.from_arch(arch).num_slots
+    num_slots = kv_cache_layout(arch).num_slots
     return 2 * num_slots * block_size * arch.num_kv_heads * spec.bytes_per_token_head(arch.head_dim)
 
 
@@ -81,7 +86,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend, dtype, self.device)
-        self.layout = KVCacheLayout.from_arch(self.arch)
+        self.layout = kv_cache_layout(self.arch)
         self.kv_spec: KVCacheSpec = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)

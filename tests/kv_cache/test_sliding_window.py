@@ -17,6 +17,7 @@ from hypothesis.stateful import initialize, rule
 from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.kv_cache.kv_cache_manager import NULL_BLOCK, NULL_BLOCK_ID, KVCacheManager, cdiv
 from pagedllm.model.arch import FULL, SLIDING, ModelArch
+from pagedllm.runner.model_runner import kv_cache_layout
 from tests.kv_cache.test_kv_cache_manager import KVContentMachine
 
 
@@ -35,7 +36,7 @@ def run_step(kv: KVCacheManager, rid: str, computed: int, new: int, tokens: list
 def test_gemma3_layers_form_six_groups_of_three():
     types = ([SLIDING] * 5 + [FULL]) * 3
     arch = ModelArch("gemma3", 10, 8, 16, 18, 2, 1, 4, 1e-6, 1e4, 64, sliding_window=512, layer_types=types)
-    layout = KVCacheLayout.from_arch(arch)
+    layout = kv_cache_layout(arch)
     assert layout.windows == (None, 512, 512, 512, 512, 512) and layout.num_slots == 3
     assert layout.groups[0].layers == (5, 11, 17)
     assert layout.groups[1].layers == (0, 1, 2) and layout.groups[2].layers == (3, 4, 6)
