@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -11,17 +12,22 @@ from pagedllm.bench.workloads import WORKLOADS, Workload
 
 def add_workload_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=default, help="a standard workload (WORKLOADS.md)")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=64)
+    # Given explicitly, these override the chosen workload's fields (the result is named "custom").
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: the workload's, else 256)")
+    p.add_argument("--output-len", type=int, default=None, help="new tokens (default: the workload's, else 128)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests (default: the workload's, else 64)")
     p.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    if args.workload:
-        return WORKLOADS[args.workload]
-    return Workload("custom", args.prompt_seed, args.num_prompts, args.input_len, args.output_len)
+    """The chosen standard workload, with any of --input-len/--output-len/--num-prompts applied."""
+    base = WORKLOADS[args.workload] if args.workload else Workload("custom", args.prompt_seed, 64, 256, 128)
+    fields = {"input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts}
+    changes = {k: v for k, v in fields.items() if v is not None}
+    if not changes:
+        return base
+    return dataclasses.replace(base, name="custom", **changes)
 
 
 def report(result: dict[str, Any], line: str, path: str | None) -> dict[str, Any]:
