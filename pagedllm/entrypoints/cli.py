@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import sys
 from dataclasses import fields
 
@@ -69,10 +71,20 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_throughput(args: argparse.Namespace) -> int:
-    from pagedllm.bench import throughput
+# The benchmarks that build an engine: subcommand -> (module in pagedllm.bench, help). Each module
+# has add_args(parser) and run(args, engine_config_dict).
+ENGINE_BENCHES = {
+    "throughput": ("throughput", "offline throughput on a standard workload"),
+    "latency": ("latency", "single-stream TTFT and ms per output token (W2)"),
+    "prefix-cache": ("prefix_cache", "TTFT with and without a cached 2,000-token system prompt"),
+    "structured": ("structured", "structured outputs: validity of constrained outputs, and their cost per step"),
+    "weight-quant": ("weight_quant", "perplexity and greedy agreement of --quantization int8/int4 against the checkpoint"),
+    "kv-cache-dtype": ("kv_cache_dtype", "KV cache dtypes: decode-attention speed, accuracy against fp32, W1"),
+}
 
-    throughput.run(args, engine_config_from_args(args).to_dict())
+
+def _run_engine_bench(module, args: argparse.Namespace) -> int:
+    module.run(args, engine_config_from_args(args).to_dict())
     return 0
 
 
@@ -92,47 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    tp = bench.add_parser("throughput", help="offline throughput on a standard workload")
-    add_engine_args(tp)
-    from pagedllm.bench import throughput
-
-    throughput.add_args(tp)
-    tp.set_defaults(func=_bench_throughput)
-    lat = bench.add_parser("latency", help="single-stream TTFT and ms per output token (W2)")
-    add_engine_args(lat)
-    from pagedllm.bench import latency
-
-    latency.add_args(lat)
-    lat.set_defaults(func=lambda a: latency.run(a, engine_config_from_args(a).to_dict()) and 0)
+    for name, (module_name, help_text) in ENGINE_BENCHES.items():
+        module = importlib.import_module(f"pagedllm.bench.{module_name}")
+        p = bench.add_parser(name, help=help_text)
+        add_engine_args(p)
+        module.add_args(p)
+        p.set_defaults(func=functools.partial(_run_engine_bench, module))
     sv = bench.add_parser("serve", help="drive a running OpenAI-compatible server (ours or any other)")
     from pagedllm.bench import serve as bench_serve
 
     bench_serve.add_args(sv)
     sv.set_defaults(func=lambda a: bench_serve.run(a) and 0)
-    pc = bench.add_parser("prefix-cache", help="TTFT with and without a cached 2,000-token system prompt")
-    add_engine_args(pc)
-    from pagedllm.bench import prefix_cache
-
-    prefix_cache.add_args(pc)
-    pc.set_defaults(func=lambda a: prefix_cache.run(a, engine_config_from_args(a).to_dict()) and 0)
-    so = bench.add_parser("structured", help="structured outputs: validity of constrained outputs, and their cost per step")
-    add_engine_args(so)
-    from pagedllm.bench import structured
-
-    structured.add_args(so)
-    so.set_defaults(func=lambda a: structured.run(a, engine_config_from_args(a).to_dict()) and 0)
-    wq = bench.add_parser("weight-quant", help="perplexity and greedy agreement of --quantization int8/int4 against the checkpoint")
-    add_engine_args(wq)
-    from pagedllm.bench import weight_quant
-
-    weight_quant.add_args(wq)
-    wq.set_defaults(func=lambda a: weight_quant.run(a, engine_config_from_args(a).to_dict()) and 0)
-    kv = bench.add_parser("kv-cache-dtype", help="KV cache dtypes: decode-attention speed, accuracy against fp32, W1")
-    add_engine_args(kv)
-    from pagedllm.bench import kv_cache_dtype as bench_kv
-
-    bench_kv.add_args(kv)
-    kv.set_defaults(func=lambda a: bench_kv.run(a, engine_config_from_args(a).to_dict()) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -67,48 +67,47 @@ inline float f16(const uint8_t* p) {
 
 // --- One block -> fp32, per type (the formulas of gguf-py's quants.py) -----------------------
 
-void deq_q4_0(const uint8_t* b, float* y) {
-    const float d = f16(b);
-    const uint8_t* qs = b + 2;
+// The 32 unsigned 4-bit (qh == nullptr) or 5-bit quants of a Q4_x / Q5_x block, in element order:
+// byte i of qs holds elements i (low nibble) and i + 16 (high nibble); bit i of qh is element i's 5th bit.
+inline void block_quants(const uint8_t* qs, const uint8_t* qh_bytes, int q[32]) {
+    uint32_t qh = 0;
+    if (qh_bytes) std::memcpy(&qh, qh_bytes, 4);
     for (int i = 0; i < 16; i++) {
-        y[i] = d * float(int(qs[i] & 0x0F) - 8);
-        y[i + 16] = d * float(int(qs[i] >> 4) - 8);
+        q[i] = (qs[i] & 0x0F) | int(((qh >> i) & 1) << 4);
+        q[i + 16] = (qs[i] >> 4) | int(((qh >> (i + 16)) & 1) << 4);
     }
+}
+
+// Symmetric types (Q4_0, Q5_0): d * (q - offset). Asymmetric (Q4_1, Q5_1): d * q + m.
+inline void deq_symmetric(float d, const int q[32], int offset, float* y) {
+    for (int i = 0; i < 32; i++) y[i] = d * float(q[i] - offset);
+}
+inline void deq_asymmetric(float d, float m, const int q[32], float* y) {
+    for (int i = 0; i < 32; i++) y[i] = d * float(q[i]) + m;
+}
+
+void deq_q4_0(const uint8_t* b, float* y) {
+    int q[32];
+    block_quants(b + 2, nullptr, q);
+    deq_symmetric(f16(b), q, 8, y);
 }
 
 void deq_q4_1(const uint8_t* b, float* y) {
-    const float d = f16(b), m = f16(b + 2);
-    const uint8_t* qs = b + 4;
-    for (int i = 0; i < 16; i++) {
-        y[i] = d * float(qs[i] & 0x0F) + m;
-        y[i + 16] = d * float(qs[i] >> 4) + m;
-    }
+    int q[32];
+    block_quants(b + 4, nullptr, q);
+    deq_asymmetric(f16(b), f16(b + 2), q, y);
 }
 
 void deq_q5_0(const uint8_t* b, float* y) {
-    const float d = f16(b);
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    const uint8_t* qs = b + 6;
-    for (int i = 0; i < 16; i++) {
-        const int lo = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
-        const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-        y[i] = d * float(lo - 16);
-        y[i + 16] = d * float(hi - 16);
-    }
+    int q[32];
+    block_quants(b + 6, b + 2, q);
+    deq_symmetric(f16(b), q, 16, y);
 }
 
 void deq_q5_1(const uint8_t* b, float* y) {
-    const float d = f16(b), m = f16(b + 2);
-    uint32_t qh;
-    std::memcpy(&qh, b + 4, 4);
-    const uint8_t* qs = b + 8;
-    for (int i = 0; i < 16; i++) {
-        const int lo = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
-        const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-        y[i] = d * float(lo) + m;
-        y[i + 16] = d * float(hi) + m;
-    }
+    int q[32];
+    block_quants(b + 8, b + 4, q);
+    deq_asymmetric(f16(b), f16(b + 2), q, y);
 }
 
 void deq_q8_0(const uint8_t* b, float* y) {
@@ -421,13 +420,6 @@ inline void unit(const uint8_t* row, int64_t u, __m256 wv[4]) {
     if constexpr (BLOCK<T> == 1) deq32<T>(row + u * 32 * BYTES<T>, 0, wv);
     else if constexpr (BLOCK<T> == 32) deq32<T>(row + u * BYTES<T>, 0, wv);
     else deq32<T>(row + (u / 8) * BYTES<T>, int(u % 8), wv);
-}
-
-inline float hsum(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
 }
 
 // MR rows of x (a compile-time count, so the accumulators stay in registers) against weight
