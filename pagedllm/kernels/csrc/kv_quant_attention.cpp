@@ -206,6 +206,24 @@ inline __m256 scores8_i8(const int8_t* const rows[8], const int8_t* q8, const __
     const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale8);
 }
+
+// int8 values: acc[g] (G heads, DV*8 floats each, D floats apart) += sum over the n rows of
+// pw[g * n + j] * rows[j], where pw already holds p * the row's scale. The int8 row is widened
+// in registers and meets every head there: no fp32 tile is written and read back. Chunks of 8
+// outer, rows inner, so each head's accumulator stays in one register.
+template <int DV>
+inline void weighted_sum_i8(float* acc, int G, const float* pw, const int8_t* const* rows, int n) {
+    for (int c = 0; c < DV; c++) {
+        __m256 a[KVQ_MAX_GROUP];
+        for (int g = 0; g < G; g++) a[g] = _mm256_loadu_ps(acc + g * DV * 8 + 8 * c);
+        for (int j = 0; j < n; j++) {
+            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[j] + 8 * c));
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            for (int g = 0; g < G; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(pw + g * n + j), v, a[g]);
+        }
+        for (int g = 0; g < G; g++) _mm256_storeu_ps(acc + g * DV * 8 + 8 * c, a[g]);
+    }
+}
 #endif
 
 // The portable twin of scores8_i8 for one key: the same exact integer sum, the same scaling.
@@ -258,6 +276,7 @@ inline float softmax_exp(float* x, int64_t n, float m) {
 struct Scratch {
     std::vector<float> tile, scores, acc, qs;
     std::vector<int8_t> q8;  // int8 keys: the query heads quantised
+    std::vector<float> pw;   // int8 values: p times each row's scale, per head
     float q8_scale[KVQ_MAX_GROUP];
 };
 
@@ -280,6 +299,7 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     buf.scores.resize(sstride * G);
     buf.acc.assign(G * D, 0.f);
     buf.qs.resize(G * D);
+    buf.pw.resize(KVQ_MAX_GROUP * 64);
     for (int g = 0; g < G; g++)
         for (int64_t i = 0; i < D; i++) buf.qs[g * D + i] = q[g * D + i] * scale;
     float* tile = buf.tile.data();  // 32-byte aligned: see dequant_row
@@ -299,8 +319,8 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     // Pass 1: scores, block by block.
     float vmax[KVQ_MAX_GROUP];
     std::fill(vmax, vmax + G, -3.0e38f);
-    constexpr bool int8_keys = std::is_same_v<T, int8_t>;
-    if constexpr (int8_keys) {  // quantise each head's (scaled) query as a cached row is
+    constexpr bool int8_cache = std::is_same_v<T, int8_t>;
+    if constexpr (int8_cache) {  // quantise each head's (scaled) query as a cached row is
         buf.q8.resize(G * D);
         for (int g = 0; g < G; g++) {
             const float* x = buf.qs.data() + g * D;
@@ -321,7 +341,7 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
         prefetch_block(key_cache, b + 1);
         prefetch_block(value_cache, b);
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
-        if constexpr (int8_keys) {
+        if constexpr (int8_cache) {
             const int64_t blk = table[b];
             for (int g = 0; g < G; g++) {
                 float* sc = buf.scores.data() + g * sstride + (b * block_size - base);
@@ -374,6 +394,26 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     // Pass 2: weighted sum of V rows, block by block, every head on the same tile.
     for (int64_t b = b_lo; b < b_hi; b++) {
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
+#ifdef PAGEDLLM_AVX2
+        if constexpr (int8_cache) {
+            if (D == 64 || D == 128) {  // int8 rows widened in registers, scales folded into p
+                const int64_t blk = table[b];
+                const int8_t* rows[64];
+                for (int64_t r0c = r0; r0c < r1; r0c += 64) {  // at most 64 rows per call
+                    const int nc = int(std::min<int64_t>(64, r1 - r0c));
+                    float* pw = buf.pw.data();
+                    for (int j = 0; j < nc; j++) {
+                        rows[j] = row_of(value_cache, blk, r0c + j);
+                        const float s = value_scales[row_index(blk, r0c + j)];
+                        for (int g = 0; g < G; g++) pw[g * nc + j] = buf.scores[g * sstride + (b * block_size - base) + r0c + j] * s;
+                    }
+                    if (D == 64) weighted_sum_i8<8>(buf.acc.data(), G, pw, rows, nc);
+                    else weighted_sum_i8<16>(buf.acc.data(), G, pw, rows, nc);
+                }
+                continue;
+            }
+        }
+#endif
         rows_of(value_cache, value_scales, b, r0, r1);
         for (int g = 0; g < G; g++) {
             const float* p = buf.scores.data() + g * sstride + (b * block_size - base);
