@@ -11,6 +11,8 @@ back here. Skipping that step gives a model that writes fluent nonsense.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +39,52 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma 3 names its norms after where they sit; llama.cpp's converter stores (1 + w), so the
-# loader subtracts the 1 (as transformers does) and the model adds it back.
-_GEMMA3_LAYER_TENSORS = {
-    **_LAYER_TENSORS,
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
 _QWEN3_LAYER_TENSORS = {
     **_LAYER_TENSORS,
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 2 and 3 name their four norms per layer after where they sit; llama.cpp's converter
+# stores (1 + w), so the loader subtracts the 1 (as transformers does) and the model adds it
+# back. Gemma 3 adds Qwen3's q/k norms.
+_GEMMA2_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA3_LAYER_TENSORS = {**_QWEN3_LAYER_TENSORS, **_GEMMA2_LAYER_TENSORS}
+# Phi-3 keeps its checkpoint's fusions: attn_qkv is [q; k; v] and ffn_up is [gate; up], the
+# row order of our fused linears (the separate attn_q/k/v of the base table also load).
+_PHI3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_ARCH_LAYER_TENSORS = {
+    "gemma2": _GEMMA2_LAYER_TENSORS,
+    "gemma3": _GEMMA3_LAYER_TENSORS,
+    "phi3": _PHI3_LAYER_TENSORS,
+    "qwen3": _QWEN3_LAYER_TENSORS,
+    "qwen3_moe": {**_QWEN3_LAYER_TENSORS, **GGUF_MOE_LAYER_TENSORS},
+}
+# Families whose converter stores RMSNorm weights as (1 + w) (llama.cpp's Gemma converters).
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
+# Only llama.cpp's "llama" converter permutes Q/K rows; the others keep the HF row order.
+_PERMUTED_QK = ("llama", "mistral")
 # transformers' Gemma3TextConfig defaults, which GGUF files do not carry.
 _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
+# llama.cpp's Gemma 2 defaults for keys a file may lack: window, caps, every 2nd layer global.
+_GEMMA2_SLIDING_WINDOW = 4096
+_GEMMA2_ATTN_SOFTCAP = 50.0
+_GEMMA2_FINAL_SOFTCAP = 30.0
+_GEMMA2_SLIDING_PATTERN = 2
+# Gemma 2 27B (46 layers) scales queries by (hidden / heads) ** -0.5, not head_dim ** -0.5 (its
+# query_pre_attn_scalar, 144, is not its head_dim, 128); GGUF files do not store the scalar,
+# and llama.cpp tells this model by its layer count, as here.
+_GEMMA2_27B_LAYERS = 46
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -97,43 +126,119 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+@dataclass
+class GGUFMeta:
+    """An architecture's metadata in one GGUF file: ``meta(key, default)`` reads "{arch}.{key}"
+    (a missing key without a default is a clear error); ``tensors`` holds every tensor name."""
+
+    reader: Any
+    arch: str
+    path: Path
+    tensors: set[str]
+
+    def __call__(self, key: str, default: Any = None) -> Any:
+        value = _field(self.reader, f"{self.arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF file {self.path} lacks the metadata key {self.arch}.{key}")
+        return value
+
+    def unsupported(self, what: str) -> ValueError:
+        return ValueError(f"GGUF file {self.path} ({self.arch}): {what} is not supported")
+
+
+def _layer_types(meta: GGUFMeta, num_layers: int, every: int) -> list[str]:
+    """Sliding and global layers, llama.cpp's rule: a per-layer list of flags in
+    ``attention.sliding_window_pattern``, or a period n there (default ``every``) where the
+    last layer of each n is global (0: every layer slides)."""
+    pattern = meta("attention.sliding_window_pattern", every)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(
+                f"GGUF file {meta.path}: sliding_window_pattern has {len(pattern)} entries for {num_layers} layers"
+            )
+        return [SLIDING if flag else FULL for flag in pattern]
+    n = int(pattern)
+    return [SLIDING if n == 0 or i % n < n - 1 else FULL for i in range(num_layers)]
+
+
+def _refuse_rope_scaling(meta: GGUFMeta) -> None:
+    """These families run plain RoPE: refuse files that ask for more (linear / yarn scaling,
+    Phi-3's LongRoPE factor tables) instead of running them with the wrong positions."""
+    kind = meta("rope.scaling.type", "none")
+    if kind != "none":
+        raise meta.unsupported(f"rope scaling type {kind!r} (supported: none)")
+    factors = sorted(n for n in meta.tensors if n.startswith("rope_factors_"))
+    if factors:
+        raise meta.unsupported(f"LongRoPE scaling ({', '.join(factors)})")
+
+
+def _phi3_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
+    """Rotary over the whole head only (Phi-4-mini's partial rotary is refused). A sliding
+    window (Phi-3-mini's 2047; 0 when the model has none) covers every layer, as transformers
+    runs the checkpoint; llama.cpp currently ignores it."""
+    _refuse_rope_scaling(meta)
+    rotary = int(meta("rope.dimension_count", base["head_dim"]))
+    if rotary != base["head_dim"]:
+        raise meta.unsupported(f"partial rotary embedding ({rotary} of {base['head_dim']} head dims)")
+    window = int(meta("attention.sliding_window", 0))
+    return dict(sliding_window=window or None, layer_types=[SLIDING] * base["num_layers"] if window else None)
+
+
+def _gemma2_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
+    """GeGLU, alternating sliding / global layers, soft-caps, and the query scale llama.cpp
+    uses (the file carries no query_pre_attn_scalar)."""
+    _refuse_rope_scaling(meta)
+    num_layers = base["num_layers"]
+    big = num_layers == _GEMMA2_27B_LAYERS
+    return dict(
+        hidden_act="gelu_tanh",
+        sliding_window=int(meta("attention.sliding_window", _GEMMA2_SLIDING_WINDOW)),
+        layer_types=_layer_types(meta, num_layers, _GEMMA2_SLIDING_PATTERN),
+        query_pre_attn_scalar=base["hidden_size"] // base["num_heads"] if big else base["head_dim"],
+        attn_logit_softcapping=float(meta("attn_logit_softcapping", _GEMMA2_ATTN_SOFTCAP)) or None,
+        final_logit_softcapping=float(meta("final_logit_softcapping", _GEMMA2_FINAL_SOFTCAP)) or None,
+    )
+
+
+def _gemma3_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        hidden_act="gelu_tanh",
+        sliding_window=int(meta("attention.sliding_window")),
+        layer_types=_layer_types(meta, base["num_layers"], _GEMMA3_SLIDING_PATTERN),
+        rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
+        query_pre_attn_scalar=_GEMMA3_QUERY_PRE_ATTN_SCALAR,
+    )
+
+
+# What an architecture adds to the common ModelArch fields, read from its own metadata keys.
+_ARCH_FIELDS: dict[str, Callable[[GGUFMeta, dict[str, Any]], dict[str, Any]]] = {
+    "phi3": _phi3_fields,
+    "gemma2": _gemma2_fields,
+    "gemma3": _gemma3_fields,
+    "qwen3_moe": lambda meta, base: gguf_moe_arch_fields(meta),
+}
+
+
 def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     arch = _field(reader, "general.architecture")
-    if _ALIASES.get(arch, arch) not in SUPPORTED_ARCHITECTURES:
+    family = _ALIASES.get(arch, arch)
+    if family not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r} in {path}; pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-
-    def meta(name: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"GGUF file {path} lacks the metadata key {arch}.{name}")
-        return value
-
+    names = {t.name for t in reader.tensors}
+    meta = GGUFMeta(reader, arch, path, names)
     num_heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(_field(reader, f"{arch}.vocab_size", 0) or (len(tokens.data) if tokens else 0))
-    names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    num_layers = int(meta("block_count"))
-    extra: dict[str, Any] = {}
-    if arch == "qwen3moe":
-        extra = gguf_moe_arch_fields(meta)
-    if arch == "gemma3":
-        extra = dict(
-            hidden_act="gelu_tanh",
-            sliding_window=int(meta("attention.sliding_window")),
-            layer_types=[SLIDING if (i + 1) % _GEMMA3_SLIDING_PATTERN else FULL for i in range(num_layers)],
-            rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
-            query_pre_attn_scalar=_GEMMA3_QUERY_PRE_ATTN_SCALAR,
-        )
-    return ModelArch(
+    base: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_layers=num_layers,
+        num_layers=int(meta("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
         head_dim=int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // num_heads),
@@ -145,8 +250,9 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        **extra,
     )
+    fields = _ARCH_FIELDS.get(family)
+    return ModelArch(**base, **(fields(meta, base) if fields else {}))
 
 
 # Block types the native kernels read directly (kernels/gguf_ops.py; Q4_1 and Q8_0 also have
@@ -184,10 +290,8 @@ def load_gguf(path: Path) -> tuple[ModelArch, dict[str, Any]]:
     reader = _open(path)
     arch = read_gguf_arch(reader, path)
     state: dict[str, Any] = {}
-    layer_tensors = {"gemma3": _GEMMA3_LAYER_TENSORS, "qwen3": _QWEN3_LAYER_TENSORS,
-                     "qwen3_moe": {**_QWEN3_LAYER_TENSORS, **GGUF_MOE_LAYER_TENSORS}}.get(arch.architecture, _LAYER_TENSORS)  # fmt: skip
-    # Only llama.cpp's "llama" converter permutes Q/K rows; qwen2 files keep the HF row order.
-    permuted = arch.architecture in ("llama", "mistral")
+    layer_tensors = _ARCH_LAYER_TENSORS.get(arch.architecture, _LAYER_TENSORS)
+    permuted = arch.architecture in _PERMUTED_QK
     for t in reader.tensors:
         name = t.name
         if name.startswith("blk."):
@@ -228,7 +332,7 @@ def load_gguf(path: Path) -> tuple[ModelArch, dict[str, Any]]:
             for e in range(tensor.shape[0]):
                 state[hf.format(e=e)] = tensor[e].contiguous()
             continue
-        if arch.architecture == "gemma3" and hf.endswith("norm.weight"):
+        if arch.architecture in _NORMS_PLUS_ONE and hf.endswith("norm.weight"):
             tensor = tensor - 1.0
         if heads is not None:
             tensor = unpermute_qk(tensor, heads)

@@ -115,8 +115,10 @@ class LlamaMLP(nn.Module):
         return self.down_proj.forward(ops.silu_and_mul(gate_up))
 
     def packed_targets(self, prefix: str) -> list[tuple[Linear, list[str]]]:
-        """This MLP's linears and the Hugging Face weight names each is the concatenation of."""
+        """This MLP's linears and the Hugging Face weight names each is the concatenation of
+        (gate/up either stored fused, as Phi-3's, or apart)."""
         return [
+            (self.gate_up_proj, [f"{prefix}gate_up_proj.weight"]),
             (self.gate_up_proj, [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]),
             (self.down_proj, [f"{prefix}down_proj.weight"]),
         ]
@@ -286,8 +288,9 @@ class LlamaForCausalLM(nn.Module):
         for small batches, beside their dense weights.
 
         Q4_1 / Q8_0 layers (fused parts all of that type) get the grouped layout of the tuned
-        kernel; any other mix becomes row segments for ``kernels/gguf_ops.py``. Returns how
-        many layers got blocks.
+        kernel; any other mix becomes row segments for ``kernels/gguf_ops.py``. A layer may be
+        listed under several namings (Phi-3 stores q/k/v and gate/up fused): the first found
+        serves. Returns how many layers got blocks.
         """
         def parts(names: list[str], in_features: int) -> list[QuantizedWeight] | None:
             found = [packed.get(n) for n in names]
@@ -300,19 +303,20 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp  # a dense MLP or a mixture of experts
             if attn.qkv_proj.bias is None:
+                targets.append((attn.qkv_proj, [f"{p}self_attn.qkv_proj.weight"]))
                 targets.append((attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]))
             targets.append((attn.o_proj, [f"{p}self_attn.o_proj.weight"]))
             targets += mlp.packed_targets(f"{p}mlp.")
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         targets.append((self.lm_head, [head]))
-        count = 0
+        done: set[int] = set()
         for linear, names in targets:
-            found = parts(names, linear.in_features)
+            found = None if id(linear) in done else parts(names, linear.in_features)
             if found is None:
                 continue
+            done.add(id(linear))
             if len(found) == 1 and found[0].qtype in GROUPED_TYPES:  # the tuned grouped kernel
                 linear.set_packed(found[0].data, found[0].qtype)
             else:
                 linear.set_quant(found)
-            count += 1
-        return count
+        return len(done)
