@@ -211,17 +211,39 @@ inline __m256 scores8_i8(const int8_t* const rows[8], const int8_t* q8, const __
 // pw[g * n + j] * rows[j], where pw already holds p * the row's scale. The int8 row is widened
 // in registers and meets every head there: no fp32 tile is written and read back. Chunks of 8
 // outer, rows inner, so each head's accumulator stays in one register.
+template <int DV, int G>
+inline void weighted_sum_i8(float* acc, const float* pw, const int8_t* const* rows, int n) {
+    constexpr int CH = G <= 3 ? 4 : G <= 6 ? 2 : 1;  // chunks of 8 per pass: G * CH accumulators
+    for (int c0 = 0; c0 < DV; c0 += CH) {
+        __m256 a[G][CH];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < CH; c++) a[g][c] = _mm256_loadu_ps(acc + g * DV * 8 + 8 * (c0 + c));
+        for (int j = 0; j < n; j++) {
+            __m256 v[CH];
+            for (int c = 0; c < CH; c++)
+                v[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[j] + 8 * (c0 + c)))));
+            for (int g = 0; g < G; g++) {
+                const __m256 p = _mm256_broadcast_ss(pw + g * n + j);
+                for (int c = 0; c < CH; c++) a[g][c] = _mm256_fmadd_ps(p, v[c], a[g][c]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < CH; c++) _mm256_storeu_ps(acc + g * DV * 8 + 8 * (c0 + c), a[g][c]);
+    }
+}
+
+// The group size as a compile-time constant, so the accumulators stay in registers.
 template <int DV>
 inline void weighted_sum_i8(float* acc, int G, const float* pw, const int8_t* const* rows, int n) {
-    for (int c = 0; c < DV; c++) {
-        __m256 a[KVQ_MAX_GROUP];
-        for (int g = 0; g < G; g++) a[g] = _mm256_loadu_ps(acc + g * DV * 8 + 8 * c);
-        for (int j = 0; j < n; j++) {
-            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[j] + 8 * c));
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-            for (int g = 0; g < G; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(pw + g * n + j), v, a[g]);
-        }
-        for (int g = 0; g < G; g++) _mm256_storeu_ps(acc + g * DV * 8 + 8 * c, a[g]);
+    switch (G) {
+        case 1: return weighted_sum_i8<DV, 1>(acc, pw, rows, n);
+        case 2: return weighted_sum_i8<DV, 2>(acc, pw, rows, n);
+        case 3: return weighted_sum_i8<DV, 3>(acc, pw, rows, n);
+        case 4: return weighted_sum_i8<DV, 4>(acc, pw, rows, n);
+        case 5: return weighted_sum_i8<DV, 5>(acc, pw, rows, n);
+        case 6: return weighted_sum_i8<DV, 6>(acc, pw, rows, n);
+        case 7: return weighted_sum_i8<DV, 7>(acc, pw, rows, n);
+        default: return weighted_sum_i8<DV, 8>(acc, pw, rows, n);
     }
 }
 #endif
@@ -252,6 +274,22 @@ inline void tile_weighted_sum_generic(float* acc, const float* p, const float* t
 #pragma omp simd
         for (int64_t i = 0; i < D; i++) acc[i] += pj * r[i];
     }
+}
+
+// max(m, x[0..n)).
+inline float range_max(const float* x, int64_t n, float m) {
+    int64_t j = 0;
+#ifdef PAGEDLLM_AVX2
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(x);
+        for (j = 8; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + j));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, v);
+        for (float l : lanes) m = std::max(m, l);
+    }
+#endif
+    for (; j < n; j++) m = std::max(m, x[j]);
+    return m;
 }
 
 // exp(x - m) in place over [0, n); returns the sum.
@@ -313,8 +351,12 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
             dequant_row(tile + r * D, row_of(cache, blk, r), s, D);
         }
     };
-    auto prefetch_block = [&](const T* cache, int64_t b) {
-        if (b < b_hi) prefetch_rows(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes);
+    // A block's rows of this head, and its scales (all heads': block_size * num_kv_heads floats).
+    auto prefetch_block = [&](const T* cache, const float* scales, int64_t b) {
+        if (b >= b_hi) return;
+        prefetch_rows(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes);
+        if (scales != nullptr)
+            prefetch_rows(scales + row_index(table[b], 0), 1, 0, block_size * num_kv_heads * int64_t(sizeof(float)));
     };
     // Pass 1: scores, block by block.
     float vmax[KVQ_MAX_GROUP];
@@ -336,10 +378,10 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     // prefetchers cannot follow): K rows are requested two blocks ahead, and each block's V rows
     // while its K rows are used, so pass 2 finds them in L2 (a sequence's V rows of one head
     // are 20 KiB at 320 int8 tokens).
-    prefetch_block(key_cache, b_lo);
+    prefetch_block(key_cache, key_scales, b_lo);
     for (int64_t b = b_lo; b < b_hi; b++) {
-        prefetch_block(key_cache, b + 1);
-        prefetch_block(value_cache, b);
+        prefetch_block(key_cache, key_scales, b + 1);
+        prefetch_block(value_cache, value_scales, b);
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
         if constexpr (int8_cache) {
             const int64_t blk = table[b];
@@ -370,7 +412,7 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
                 for (; r < r1; r++) {
                     sc[r] = score_i8(row_of(key_cache, blk, r), qg, key_scales[row_index(blk, r)] * qs, D);
                 }
-                for (int64_t j = r0; j < r1; j++) vmax[g] = std::max(vmax[g], sc[j]);
+                vmax[g] = range_max(sc + r0, r1 - r0, vmax[g]);
             }
             continue;
         }
@@ -385,14 +427,17 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
 #else
             tile_scores_generic(sc, qg, tile, r0, r1, D);
 #endif
-            for (int64_t r = r0; r < r1; r++) vmax[g] = std::max(vmax[g], sc[r]);
+            vmax[g] = range_max(sc + r0, r1 - r0, vmax[g]);
         }
     }
     // Softmax over the visible positions only.
     float inv[KVQ_MAX_GROUP];
     for (int g = 0; g < G; g++) inv[g] = 1.f / softmax_exp(buf.scores.data() + g * sstride + (lo - base), ctx - lo, vmax[g]);
-    // Pass 2: weighted sum of V rows, block by block, every head on the same tile.
+    // Pass 2: weighted sum of V rows, block by block, every head on the same tile. The V rows
+    // prefetched in pass 1 may have left L1 since: the next block's are requested again.
+    prefetch_block(value_cache, value_scales, b_lo + 1);
     for (int64_t b = b_lo; b < b_hi; b++) {
+        prefetch_block(value_cache, value_scales, b + 2);
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
 #ifdef PAGEDLLM_AVX2
         if constexpr (int8_cache) {
