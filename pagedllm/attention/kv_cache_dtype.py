@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.config import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
@@ -112,9 +113,21 @@ def carve_pool(spec: KVCacheSpec, shape: tuple[int, ...], flat: torch.Tensor) ->
     return QuantizedKV(*views) if spec.quantized else views[0]
 
 
+def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``, but on CPU the memory is committed page by page when first written:
+    numpy's zeros is calloc, whose large blocks are fresh anonymous pages the kernel maps on
+    first touch, while torch.zeros writes every byte up front. So a large KV pool costs RSS only
+    for the blocks requests have used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def allocate_pool(spec: KVCacheSpec, shape: tuple[int, ...], device: torch.device) -> KVPool:
-    """A zero-filled pool: padded slots inside a gathered block stay finite (masked, never NaN)."""
-    parts = [torch.zeros(s, dtype=dt, device=device) for s, dt in _part_shapes(spec, shape)]
+    """A zero-filled pool (padded slots inside a gathered block stay finite: masked, never NaN),
+    committed as it is used."""
+    parts = [zeros_on_first_touch(s, dt, device) for s, dt in _part_shapes(spec, shape)]
     return QuantizedKV(*parts) if spec.quantized else parts[0]
 
 

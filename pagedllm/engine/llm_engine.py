@@ -99,11 +99,12 @@ class LLMEngine:
         layout = sizes.layout
         num_tokens = sizes.num_blocks * config.block_size // len(layout.groups)  # of every layer
         logger.info(
-            "KV cache: %d blocks x %d tokens x %d layers = %d tokens of all %d layers (%.2f GiB, %s%s); "
+            "KV cache: %d blocks x %d tokens x %d layers = %d tokens of all %d layers (%.2f GiB reserved, %s%s%s); "
             "max concurrency at %d tokens/request: %.2fx",
             sizes.num_blocks, config.block_size, layout.num_slots, num_tokens, self.arch.num_layers,
             sizes.num_blocks * sizes.block_bytes / (1 << 30), kv_dtype,
-            " with per-token-per-head fp32 scales" if self.runner.kv_spec.quantized else "", self.max_model_len,
+            " with per-token-per-head fp32 scales" if self.runner.kv_spec.quantized else "",
+            "; memory committed as blocks are first written" if self.runner.device.type == "cpu" else "", self.max_model_len,
             sizes.num_blocks / self.kv_cache_manager.max_blocks_held(self.max_model_len, config.max_num_batched_tokens),
         )  # fmt: skip
         if len(layout.groups) > 1 or layout.groups[0].window is not None:

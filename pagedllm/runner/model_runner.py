@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata, get_attention_backend
 from pagedllm.attention.kv_cache_dtype import (
-    KVCacheSpec, KVPool, allocate_pool, cache_parts, carve_pool, pool_nbytes, resolve_kv_cache_dtype,
+    KVCacheSpec, KVPool, allocate_pool, cache_parts, carve_pool, pool_nbytes, resolve_kv_cache_dtype, zeros_on_first_touch,
 )  # fmt: skip
 from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.model.arch import ModelArch
@@ -147,7 +147,7 @@ class ModelRunner:
         if path is not None:
             flat = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         else:
-            flat = torch.zeros(total, dtype=torch.uint8)
+            flat = zeros_on_first_touch((total,), torch.uint8, torch.device("cpu"))
         pools = [carve_pool(self.kv_spec, shape, flat[i * per_pool : (i + 1) * per_pool]) for i in range(2 * num_slots)]
         return [(pools[2 * i], pools[2 * i + 1]) for i in range(num_slots)]
 

@@ -132,3 +132,27 @@ def test_auto_is_the_model_dtype_and_bad_names_are_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="foo")
     assert EngineConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_a_pool_is_zero_and_costs_memory_only_where_written(kv_dtype):
+    """The pool is reserved up front but committed page by page as blocks are first written."""
+    from pagedllm.attention.kv_cache_dtype import allocate_pool, cache_parts, resolve_kv_cache_dtype
+
+    spec = resolve_kv_cache_dtype(kv_dtype, torch.float32)
+    shape = (4096, 16, 4, 256)  # 256 MiB of fp32 values (64 MiB of int8 + scales)
+    before = _rss_bytes()
+    pool = allocate_pool(spec, shape, torch.device("cpu"))
+    parts = cache_parts(pool)
+    assert _rss_bytes() - before < 16 << 20
+    assert all(int(p[::97].view(torch.uint8).count_nonzero()) == 0 for p in parts)  # zero-filled
+    for p in parts:
+        p[:64].view(torch.uint8).fill_(1)  # the first 64 blocks: a few MiB
+    grown = _rss_bytes() - before
+    reserved = sum(p.numel() * p.element_size() for p in parts)
+    assert 64 * reserved // 4096 <= grown + (1 << 20) and grown < reserved // 8
