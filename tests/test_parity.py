@@ -136,6 +136,10 @@ def test_bf16_fast_path_gives_the_pure_torch_bf16_tokens(prompts, monkeypatch):
 
     Oracle: our own pure-torch bf16 path (torch's bf16 matmuls, the reference attention).
     """
+    # The pure-torch bf16 oracle is slow on CPUs without bf16 arithmetic (the suite's slowest
+    # test at 141 s with every prompt): the ~1,500-token prompt, whose prefill dominates, is left
+    # to the fp32 parity tests.
+    prompts = [p for p in prompts if len(p) <= 512]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
     runs = {}
     for name, matmul in (("fast", "fp32"), ("pure-torch", "bf16")):
@@ -150,8 +154,8 @@ def test_bf16_fast_path_gives_the_pure_torch_bf16_tokens(prompts, monkeypatch):
         assert_engines_agree(f"bf16 prompt {i}", a, b, tie_tol=0.25)
         for i, (a, b) in enumerate(zip(runs["fast"], runs["pure-torch"]))
     ]
-    # Measured on AMD EPYC (2026-11-23, kernels without -ffast-math): 7/10 exact; the three
-    # flips are ties of at most 0.16 nats. bf16 holds 8 significant bits: a logit near 20 moves
+    # Measured on AMD EPYC (2026-11-23, kernels without -ffast-math): 7/10 exact with every
+    # prompt, 7/9 without the longest; the flips are ties of at most 0.16 nats. bf16 holds 8 significant bits: a logit near 20 moves
     # in steps of 0.125, and one rounding flip of an activation diverges the rest.
     print(f"bf16: {sum(exact)}/{len(exact)} prompts exact")
-    assert sum(exact) >= 6, f"only {sum(exact)}/{len(exact)} prompts exact"
+    assert sum(exact) >= 0.6 * len(exact), f"only {sum(exact)}/{len(exact)} prompts exact"
