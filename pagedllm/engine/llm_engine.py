@@ -19,7 +19,7 @@ from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
-from pagedllm.engine.startup import KVCacheSizes, kv_cache_sizes, load_model
+from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_model
 from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
@@ -58,6 +58,8 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
+        times = loaded.times
+        runner_start = time.perf_counter()
         self.runner = ModelRunner(
             loaded.model,
             num_blocks=sizes.num_blocks,
@@ -71,6 +73,7 @@ class LLMEngine:
             swap_path=config.swap_path,
             kv_cache_dtype=config.kv_cache_dtype,
         )
+        times.seconds["runner and KV pool"] = time.perf_counter() - runner_start
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]
@@ -82,9 +85,9 @@ class LLMEngine:
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
-        self._log_startup(sizes, time.perf_counter() - t0)
+        self._log_startup(sizes, time.perf_counter() - t0, times)
 
-    def _log_startup(self, sizes: KVCacheSizes, seconds: float) -> None:
+    def _log_startup(self, sizes: KVCacheSizes, seconds: float, times: StartupTimes) -> None:
         config, dtype = self.config, self.config.torch_dtype
         logger.info("model: %s (%s, %s)", self.source.path, self.source.format, self.arch.architecture)
         wide = matmul_dtype(dtype)
@@ -109,8 +112,8 @@ class LLMEngine:
         )  # fmt: skip
         if len(layout.groups) > 1 or layout.groups[0].window is not None:
             logger.info("KV cache groups (sliding layers free the blocks behind their window): %s", layout.describe())
-        logger.info("engine ready in %.1f s (threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
-                    seconds, torch.get_num_threads(), torch.get_num_interop_threads())  # fmt: skip
+        logger.info("engine ready in %.1f s (%s; threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
+                    seconds, times.describe(), torch.get_num_threads(), torch.get_num_interop_threads())  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def next_request_id(self) -> str:

@@ -7,7 +7,10 @@ holding a model shard) can call them without building an engine.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +32,25 @@ logger = logging.getLogger("pagedllm.engine")
 
 
 @dataclass
+class StartupTimes:
+    """Seconds per startup phase, in order, for the "engine ready" log line: where startup goes
+    is then visible on every run, not only under a profiler."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+
+
+@dataclass
 class LoadedModel:
     source: ModelSource
     arch: ModelArch
@@ -36,6 +58,7 @@ class LoadedModel:
     tokenizer: Any | None
     eos_token_ids: frozenset[int]
     max_model_len: int
+    times: StartupTimes
 
 
 @dataclass
@@ -48,8 +71,10 @@ class KVCacheSizes:
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """Weights (dense, plus GGUF blocks / native panels where they serve), tokenizer, EOS ids."""
-    source = resolve_model(config.model)
-    arch, state = load_weights(source, config.quantization)
+    times = StartupTimes()
+    with times.phase("weights"):
+        source = resolve_model(config.model)
+        arch, state = load_weights(source, config.quantization)
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
@@ -58,27 +83,31 @@ def load_model(config: EngineConfig) -> LoadedModel:
     log_placement(placement)
     packed: dict[str, tuple[str, torch.Tensor]] = {}
     if placement.dense:  # fp32 values for the dense GEMMs; the blocks stay for small steps
-        for name, weight in state.items():
-            if isinstance(weight, QuantizedWeight):
-                packed[name] = (weight.qtype, weight.data)
-                state[name] = weight.dequantize()
-    model = model_class(arch).from_hf_state_dict(arch, state, dtype, max_model_len)
-    del state
-    if config.packed_weights and packed and native_available():
-        if dtype == torch.float32:
-            n = model.attach_packed(packed)
-            logger.info("%d linear layers also keep their GGUF blocks for small batches", n)
-        else:  # the blocks' values are not rounded to bf16: they would change answers
-            logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
-    del packed
-    n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
+        with times.phase("fp32 copy"):
+            for name, weight in state.items():
+                if isinstance(weight, QuantizedWeight):
+                    packed[name] = (weight.qtype, weight.data)
+                    state[name] = weight.dequantize()
+    with times.phase("model"):
+        model = model_class(arch).from_hf_state_dict(arch, state, dtype, max_model_len)
+        del state
+    with times.phase("kernels and panels"):
+        if config.packed_weights and packed and native_available():
+            if dtype == torch.float32:
+                n = model.attach_packed(packed)
+                logger.info("%d linear layers also keep their GGUF blocks for small batches", n)
+            else:  # the blocks' values are not rounded to bf16: they would change answers
+                logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
+        del packed
+        n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
     if n:
         logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
-    tokenizer = load_tokenizer(source)
+    with times.phase("tokenizer"):
+        tokenizer = load_tokenizer(source)
     eos = set(arch.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return LoadedModel(source, arch, model, tokenizer, frozenset(eos), max_model_len)
+    return LoadedModel(source, arch, model, tokenizer, frozenset(eos), max_model_len, times)
 
 
 def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:

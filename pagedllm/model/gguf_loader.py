@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.gguf_ops import GGUF_TYPES
+from pagedllm.model.gguf_file import GGUFFile
 from pagedllm.model.arch import _ALIASES, FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArch
 from pagedllm.model.moe import GGUF_MOE_LAYER_TENSORS, gguf_moe_arch_fields
 from pagedllm.quantization.weights import QuantizedWeight
@@ -110,20 +111,18 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _open(path: Path) -> Any:
-    from gguf import GGUFReader
-
+def _open(path: Path) -> GGUFFile:
     try:
-        return GGUFReader(str(path))
-    except Exception as e:  # the reader raises many kinds of error on bad bytes
+        return GGUFFile(path)
+    except Exception as e:  # bad bytes fail in many ways (struct, numpy, mmap): one clear error
         raise ValueError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    if value is None:
         return default
-    return f.contents()
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 @dataclass
@@ -231,7 +230,7 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
     num_heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", 0) or (len(tokens.data) if tokens else 0))
+    vocab = int(_field(reader, f"{arch}.vocab_size", 0) or (len(tokens) if tokens else 0))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     base: dict[str, Any] = dict(
         architecture=arch,

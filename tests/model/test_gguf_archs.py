@@ -199,11 +199,10 @@ def write_meta_only(
 
 
 def _arch_of(path: Path):
-    from gguf import GGUFReader
-
+    from pagedllm.model.gguf_file import GGUFFile
     from pagedllm.model.gguf_loader import read_gguf_arch
 
-    return read_gguf_arch(GGUFReader(str(path)), path)
+    return read_gguf_arch(GGUFFile(path), path)
 
 
 def test_gguf_metadata_defaults_follow_llama_cpp(tmp_path):
