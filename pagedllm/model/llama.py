@@ -141,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int, rope_freqs: torch.Tensor | None = None):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Given a weight, nn.Embedding skips its random init (whose first call imports torch._dynamo:
+        # 2.7 s of startup); the checkpoint's weight replaces it.
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(self.layer_cls(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)

@@ -42,7 +42,10 @@ class QuantizedWeight:
         return self.data.numel()
 
     def dequantize(self) -> torch.Tensor:
-        return gguf_ops.dequantize(self.data, self.qtype, self.in_features)
+        """fp32 [out_features, in_features]: the native kernel's rows (bit-identical to the
+        gguf package's, ~10x faster at startup) when it is built, else the package's."""
+        rows = torch.arange(self.data.shape[0])
+        return gguf_ops.get_rows(self.data, self.qtype, rows, self.in_features)
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return gguf_ops.linear(x, self.data, self.qtype, self.out_features, out)
