@@ -82,6 +82,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     placement = choose_placement(config.dense_weights, state)
     log_placement(placement)
     packed: dict[str, tuple[str, torch.Tensor]] = {}
+    with times.phase("kernels"):  # built once per machine and CPU, then loaded from the cache
+        native_available()
     if placement.dense:  # fp32 values for the dense GEMMs; the blocks stay for small steps
         with times.phase("fp32 copy"):
             for name, weight in state.items():
@@ -91,7 +93,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     with times.phase("model"):
         model = model_class(arch).from_hf_state_dict(arch, state, dtype, max_model_len)
         del state
-    with times.phase("kernels and panels"):
+    with times.phase("panels"):
         if config.packed_weights and packed and native_available():
             if dtype == torch.float32:
                 n = model.attach_packed(packed)
