@@ -321,4 +321,10 @@ class LlamaForCausalLM(nn.Module):
                 linear.set_packed(found[0].data, found[0].qtype)
             else:
                 linear.set_quant(found)
+        # The embedding looks its rows up in the blocks (the same values): its fp32 table was
+        # only kept for them, and a tied LM head's panels then stand alone (~113 MB for SmolLM2).
+        table = packed.get("model.embed_tokens.weight")
+        if table is not None and isinstance(self.embed_tokens, nn.Embedding):
+            qweight = QuantizedWeight(table[0], table[1], self.embed_tokens.embedding_dim)
+            self.embed_tokens = QuantizedEmbedding(qweight, self.embed_tokens.weight.dtype)
         return len(done)
