@@ -9,7 +9,6 @@ the file carries (and, for the query scale, the one llama.cpp derives from the f
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from tests.conftest import save_tiny_model
-from tests.model.test_hf_models import oracle_greedy_logprobs
+from tests.model.gguf_writing import assert_greedy_matches_oracle, finish_gguf, start_gguf
 
 # Hugging Face layer tensor (after "model.layers.N.", without ".weight") -> llama.cpp's name.
 _PHI3_NAMES = {
@@ -66,20 +65,9 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: str | None = None) -> 
     """Convert a tiny saved model to GGUF as llama.cpp's converter lays it out: F32 tensors, or
     every matrix quantized to ``quant`` by the gguf package."""
     import gguf
-    from safetensors.torch import load_file
 
     names, write_meta, plus_one = _ARCHS[arch]
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    state = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    w, cfg, state = start_gguf(hf_dir, out, arch)
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     write_meta(w, cfg)
@@ -100,10 +88,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: str | None = None) -> 
     for i in range(cfg["num_hidden_layers"]):
         for hf_name, gg_name in names.items():
             add(f"blk.{i}.{gg_name}.weight", state[f"model.layers.{i}.{hf_name}.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return out
 
 
@@ -164,13 +149,7 @@ def test_gguf_greedy_matches_transformers_on_the_same_file(tmp_path, arch, mode)
     g = torch.Generator().manual_seed(0)
     # Lengths across block boundaries and past both windows; prefill in chunks of 32.
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 5, 17, 30, 60, 100)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        expected, logprobs = oracle_greedy_logprobs(hf, prompt, 12)
-        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
-        got = [entry[t].logprob for t, entry in zip(expected, out.outputs[0].logprobs)]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(logprobs), atol=1e-4, rtol=0)
+    assert_greedy_matches_oracle(llm, hf, prompts)
 
 
 def write_meta_only(

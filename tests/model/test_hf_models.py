@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
+from tests.model.gguf_writing import assert_greedy_matches_oracle
 from tests.conftest import save_tiny_model
 
 VARIANTS = {
@@ -88,14 +89,8 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, variant):
     assert mlp.down_proj.panels is not None and mlp.down_proj.weight is None
     assert model.lm_head.panels is not None  # ...except the one a tied LM head shares with the embedding
     assert (model.lm_head.weight is model.embed_tokens.weight) == (variant in TIED)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        expected, logprobs = oracle_greedy_logprobs(hf, prompt, 12)
-        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
-        got = [entry[t].logprob for t, entry in zip(expected, out.outputs[0].logprobs)]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(logprobs), atol=1e-4, rtol=0)
-        assert out.outputs[0].text == ""  # no tokenizer files in the directory
+    outs = assert_greedy_matches_oracle(llm, hf, prompts)
+    assert all(out.outputs[0].text == "" for out in outs)  # no tokenizer files in the directory
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == 64
 
 

@@ -235,32 +235,20 @@ def test_experts_take_gguf_blocks_kept_packed():
 def test_qwen3_moe_gguf_matches_transformers(tmp_path, quant):
     """A tiny Qwen3-MoE written as llama.cpp's qwen3moe GGUF (expert stacks; F32, or Q8_0 blocks
     kept packed and run from the blocks) loads and decodes as transformers does."""
-    import json
-
     import gguf
     import transformers
-    from safetensors.torch import load_file
 
     from pagedllm import LLM, SamplingParams
     from tests.conftest import save_tiny_model
+    from tests.model.gguf_writing import finish_gguf, start_gguf
     from tests.model.test_hf_models import oracle_greedy
 
     hf_dir = save_tiny_model(tmp_path / "hf", "qwen3_moe", seed=8, head_dim=16, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=32, norm_topk_prob=True)  # fmt: skip
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    state = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "qwen3moe")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w, cfg, state = start_gguf(hf_dir, tmp_path / "moe.gguf", "qwen3moe")
     w.add_key_length(16)
     w.add_value_length(16)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
     w.add_expert_count(4)
     w.add_expert_used_count(2)
     w.add_expert_feed_forward_length(32)
@@ -285,10 +273,7 @@ def test_qwen3_moe_gguf_matches_transformers(tmp_path, quant):
         for proj in ("gate", "up", "down"):
             stack = np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(4)])
             add(f"blk.{i}.ffn_{proj}_exps.weight", stack)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     if quant is not None:  # the oracle holds the same quantized values
