@@ -156,37 +156,25 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
     }
 }
 
-void deq_q4_k(const uint8_t* b, float* y) {
+// Q4_K and Q5_K share their layout but for Q5_K's fifth bits (qh: bit j of byte l belongs to
+// weight l of sub-block j); qh == nullptr for Q4_K.
+void deq_q45_k(const uint8_t* b, const uint8_t* qs, const uint8_t* qh, float* y) {
     const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* qs = b + 16;
     for (int j = 0; j < 8; j++) {
         int sc, m;
-        k_scale_min(scales, j, sc, m);
-        const float ds = d * float(sc), dm = dmin * float(m);
-        const uint8_t* q = qs + (j / 2) * 32;
-        const int shift = (j % 2) * 4;
-        for (int l = 0; l < 32; l++) y[j * 32 + l] = ds * float((q[l] >> shift) & 0x0F) - dm;
-    }
-}
-
-void deq_q5_k(const uint8_t* b, float* y) {
-    const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48;
-    for (int j = 0; j < 8; j++) {
-        int sc, m;
-        k_scale_min(scales, j, sc, m);
+        k_scale_min(b + 4, j, sc, m);
         const float ds = d * float(sc), dm = dmin * float(m);
         const uint8_t* q = qs + (j / 2) * 32;
         const int shift = (j % 2) * 4;
         for (int l = 0; l < 32; l++) {
-            const int v = ((q[l] >> shift) & 0x0F) | (((qh[l] >> j) & 1) << 4);
+            const int v = ((q[l] >> shift) & 0x0F) | (qh ? ((qh[l] >> j) & 1) << 4 : 0);
             y[j * 32 + l] = ds * float(v) - dm;
         }
     }
 }
+
+void deq_q4_k(const uint8_t* b, float* y) { deq_q45_k(b, b + 16, nullptr, y); }
+void deq_q5_k(const uint8_t* b, float* y) { deq_q45_k(b, b + 48, b + 16, y); }
 
 void deq_q6_k(const uint8_t* b, float* y) {
     const uint8_t* ql = b;
