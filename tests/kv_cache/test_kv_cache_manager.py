@@ -532,8 +532,9 @@ class KVContentMachine(RuleBasedStateMachine):
     def _slot(self, rid: str, pos: int) -> int:
         return self.kv.get_block_ids(rid)[pos // self.bs] * self.bs + pos % self.bs
 
-    @rule()
-    def run_step(self):
+    def _move_blocks(self) -> None:
+        """Apply the step's pending block moves to the simulated contents, in the runner's
+        order: swap-outs, then copy-on-write copies (from a snapshot), then swap-ins."""
         copies = self.kv.take_pending_copies()
         swap_out, swap_in = self.kv.take_pending_swaps()
         assert len({d for _, d in copies}) == len(copies), f"two copies into one block: {copies}"
@@ -548,6 +549,10 @@ class KVContentMachine(RuleBasedStateMachine):
         for src, dst in swap_in:
             for o in range(bs):
                 self.content[dst * bs + o] = self.swap_content.get(src * bs + o)
+
+    @rule()
+    def run_step(self):
+        self._move_blocks()
         for rid, (start, end) in self.writes.items():
             for pos in range(start, end):
                 self.content[self._slot(rid, pos)] = self._kv(rid, pos)

@@ -261,20 +261,7 @@ class GroupedKVContentMachine(KVContentMachine):
 
     @rule()
     def run_step(self):
-        copies = self.kv.take_pending_copies()
-        swap_out, swap_in = self.kv.take_pending_swaps()
-        assert len({d for _, d in copies}) == len(copies), f"two copies into one block: {copies}"
-        bs = self.bs
-        for src, dst in swap_out:
-            for o in range(bs):
-                self.swap_content[dst * bs + o] = self.content.get(src * bs + o)
-        snapshot = {src * bs + o: self.content.get(src * bs + o) for src, _ in copies for o in range(bs)}
-        for src, dst in copies:
-            for o in range(bs):
-                self.content[dst * bs + o] = snapshot[src * bs + o]
-        for src, dst in swap_in:
-            for o in range(bs):
-                self.content[dst * bs + o] = self.swap_content.get(src * bs + o)
+        self._move_blocks()
         for rid, (start, end) in self.writes.items():
             for g in range(2):
                 for pos in range(start, end):
