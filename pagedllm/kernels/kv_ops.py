@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.kernels.build import load_kernels
+from pagedllm.kernels.reference import hidden_keys
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # The largest magnitude each quantised dtype stores: a row's absmax maps onto it.
@@ -177,9 +178,7 @@ def paged_attention_kv_reference(
             scores = torch.einsum("qhd,khd->qhk", qs_, k.repeat_interleave(group, dim=1)) * scale
         v = dequantize(value_cache.flatten(0, 1)[slots], None if value_scale is None else value_scale.flatten(0, 1)[slots])
         q_pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]  # token r of the chunk sits at q_pos[r]
-        hidden = positions[None, :] > q_pos
-        if window:
-            hidden |= positions[None, :] <= q_pos - window
+        hidden = hidden_keys(q_pos, positions, window)
         probs = scores.masked_fill(hidden[:, None, :], float("-inf")).softmax(-1)
         out[qsl[s] : qsl[s + 1]] = torch.einsum("qhk,khd->qhd", probs, v.repeat_interleave(group, dim=1))
     return out

@@ -114,6 +114,15 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
 
 
+def hidden_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] True where a query at q_pos ([q, 1]) may not see the key at k_pos ([k]):
+    a later key, or (with a sliding ``window``) one window or more behind it."""
+    hidden = k_pos[None, :] > q_pos
+    if window:
+        hidden |= k_pos[None, :] <= q_pos - window
+    return hidden
+
+
 def paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -145,9 +154,7 @@ def paged_attention(
         k = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [keys, H, D]
         v = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[t0:t1].float(), k) * scale
-        hidden = k_pos[None, :] > q_pos
-        if window:
-            hidden |= k_pos[None, :] <= q_pos - window
+        hidden = hidden_keys(q_pos, k_pos, window)
         out[t0:t1] = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
     return out
 
