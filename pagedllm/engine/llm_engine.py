@@ -59,21 +59,20 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         times = loaded.times
-        runner_start = time.perf_counter()
-        self.runner = ModelRunner(
-            loaded.model,
-            num_blocks=sizes.num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            dtype=config.torch_dtype,
-            attention_backend=config.attention_backend,
-            seed=config.seed,
-            num_swap_blocks=sizes.num_swap_blocks,
-            swap_path=config.swap_path,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
-        times.seconds["runner and KV pool"] = time.perf_counter() - runner_start
+        with times.phase("runner and KV pool"):
+            self.runner = ModelRunner(
+                loaded.model,
+                num_blocks=sizes.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                dtype=config.torch_dtype,
+                attention_backend=config.attention_backend,
+                seed=config.seed,
+                num_swap_blocks=sizes.num_swap_blocks,
+                swap_path=config.swap_path,
+                kv_cache_dtype=config.kv_cache_dtype,
+            )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]

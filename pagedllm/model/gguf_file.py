@@ -31,6 +31,9 @@ _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4)
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
 _STRING, _ARRAY = 8, 9
+# Tensor types GGUFReader hands out by element; every other type comes as rows of bytes.
+_ELEMENT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                  "I32": np.int32, "I64": np.int64}  # fmt: skip
 
 
 @dataclass
@@ -121,8 +124,7 @@ class GGUFFile:
             raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
         raw = self._map[offset : offset + nbytes]
         outer = tuple(reversed(dims[1:]))
-        element = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                   "I32": np.int32, "I64": np.int64}.get(qtype.name)  # fmt: skip
+        element = _ELEMENT_TYPES.get(qtype.name)
         if element is not None:
             data = raw.view(element).reshape(*outer, dims[0] if dims else 1)
         else:  # block types (and BF16): rows of bytes
