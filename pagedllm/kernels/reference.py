@@ -5,9 +5,11 @@ GGUF block layouts (32 weights per block, along the input dimension):
         holds q_i in its low nibble and q_{i+16} in its high nibble.
   Q8_0: fp16 scale d, 32 int8; weight j = d * q_j.
 
-The kernels read a regrouped copy (``group_blocks``): rows in groups of 4 (zero rows pad the
-last group) and, for each block index, the 4 rows' quants followed by their scales (and
-minima) as fp32 - Q4_1: 4x16 + 4x4 + 4x4 = 96 bytes, Q8_0: 4x32 + 4x4 = 144 bytes.
+The kernels read a regrouped copy (``group_blocks``): rows in groups of 16 (zero rows pad the
+last group) and, for each block index, the 16 rows' fp16 scales (and minima) followed by, for
+each of the 32 k, the 16 rows' quants side by side - Q4_1: 16x2 + 16x2 + 32x8 = 320 bytes
+(byte j of a k holds row j in its low nibble and row j + 8 in its high one), Q8_0: 16x2 +
+32x16 = 544 bytes. The kernel can then vectorise over output rows with k sequential.
 """
 
 from __future__ import annotations
@@ -28,12 +30,22 @@ def _split(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor
     raise ValueError(f"unsupported GGUF block type {qtype!r}")
 
 
-def _values(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: str) -> torch.Tensor:
-    """The 32 fp32 weights of each block [..., 32] from its quant bytes, scale and minimum."""
+GROUP_ROWS = 16
+GROUP_BYTES = {"Q4_1": 320, "Q8_0": 544}
+
+
+def _quants(qs: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The 32 integer quants of each block [..., 32] (int16) from its quant bytes."""
     if qtype == "Q4_1":
         q16 = qs.to(torch.int16)
-        return torch.cat([q16 & 0x0F, q16 >> 4], dim=-1).float() * d[..., None] + m[..., None]
-    return qs.contiguous().view(torch.int8).float() * d[..., None]
+        return torch.cat([q16 & 0x0F, q16 >> 4], dim=-1)
+    return qs.contiguous().view(torch.int8).to(torch.int16)
+
+
+def _values(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: str) -> torch.Tensor:
+    """The 32 fp32 weights of each block [..., 32] from its quant bytes, scale and minimum."""
+    w = _quants(qs, qtype).float() * d[..., None]
+    return w + m[..., None] if m is not None else w
 
 
 def dequantize(packed: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
@@ -43,30 +55,38 @@ def dequantize(packed: torch.Tensor, qtype: str, out_features: int, in_features:
 
 
 def group_blocks(packed: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
-    """GGUF blocks [N, row_bytes] -> the kernels' grouped layout [ceil(N/4), nb, group_bytes]."""
+    """GGUF blocks [N, row_bytes] -> the kernels' grouped layout [ceil(N/16), nb, group_bytes]."""
     nb = in_features // QK
-    groups = -(-out_features // 4)
-    blocks = torch.zeros(groups * 4, nb, BLOCK_BYTES[qtype], dtype=torch.uint8)
+    groups = -(-out_features // GROUP_ROWS)
+    blocks = torch.zeros(groups * GROUP_ROWS, nb, BLOCK_BYTES[qtype], dtype=torch.uint8)
     blocks[:out_features] = packed.reshape(out_features, nb, BLOCK_BYTES[qtype])
-    blocks = blocks.view(groups, 4, nb, -1).transpose(1, 2)  # [G, nb, 4, block_bytes]
-    parts = _split(blocks, qtype)
-    out = [parts[0].reshape(groups, nb, -1)]  # the 4 rows' quants, row after row
-    out += [p.contiguous().view(torch.uint8).reshape(groups, nb, 16) for p in parts[1:] if p is not None]
-    return torch.cat(out, dim=-1).contiguous()
+    blocks = blocks.view(groups, GROUP_ROWS, nb, -1).transpose(1, 2)  # [G, nb, 16, block_bytes]
+    qs = _split(blocks, qtype)[0]
+    q = _quants(qs, qtype).transpose(-1, -2)  # [G, nb, 32 (k), 16 (rows)]
+    if qtype == "Q4_1":
+        q = q[..., :8] | (q[..., 8:] << 4)
+    q = q.to(torch.uint8 if qtype == "Q4_1" else torch.int8).contiguous().view(torch.uint8).reshape(groups, nb, -1)
+    halves = [blocks[..., 0:2]] + ([blocks[..., 2:4]] if qtype == "Q4_1" else [])  # fp16 d (and m) bytes
+    out = [h.reshape(groups, nb, 2 * GROUP_ROWS) for h in halves]
+    return torch.cat([*out, q], dim=-1).contiguous()
 
 
 def dequantize_grouped(grouped: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
     """[out_features, in_features] fp32 weights from the grouped layout."""
-    nb = in_features // QK
-    g = grouped.reshape(-1, nb, grouped.shape[-1])
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"unsupported GGUF block type {qtype!r}")
-    qbytes = 16 if qtype == "Q4_1" else 32
-    qs = g[..., : 4 * qbytes].reshape(g.shape[0], nb, 4, qbytes)
-    d = g[..., 4 * qbytes : 4 * qbytes + 16].contiguous().view(torch.float32)  # [G, nb, 4]
-    m = g[..., 80:96].contiguous().view(torch.float32) if qtype == "Q4_1" else None
-    w = _values(qs, d, m, qtype)  # [G, nb, 4, 32]
-    return w.permute(0, 2, 1, 3).reshape(-1, in_features)[:out_features]
+    nb = in_features // QK
+    g = grouped.reshape(-1, nb, GROUP_BYTES[qtype])
+    d = g[..., :32].contiguous().view(torch.float16).float()  # [G, nb, 16]
+    m = g[..., 32:64].contiguous().view(torch.float16).float() if qtype == "Q4_1" else torch.zeros_like(d)
+    qbytes = g[..., 64:] if qtype == "Q4_1" else g[..., 32:]
+    if qtype == "Q4_1":
+        b = qbytes.reshape(*g.shape[:2], QK, 8).to(torch.int16)
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1)  # [G, nb, 32, 16]
+    else:
+        q = qbytes.contiguous().view(torch.int8).reshape(*g.shape[:2], QK, GROUP_ROWS)
+    w = q.float() * d[:, :, None, :] + m[:, :, None, :]  # [G, nb, 32 (k), 16 (rows)]
+    return w.permute(0, 3, 1, 2).reshape(-1, in_features)[:out_features]
 
 
 def grouped_linear(x: torch.Tensor, grouped: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ the packed blocks with the native kernel, which reads 0.6 (Q4_1) or 1.1 (Q8_0) b
 weight instead of 4. Bigger batches are compute bound and run a dense fp32 GEMM: the native
 one on the weight repacked into 16-row panels (``pack_dense``; 1.2-2x MKL's sgemm here at 64
 rows), else torch's. All compute in fp32 on the same weight values, so the choice changes
-speed, not answers (up to summation order).
+speed, not answers: the packed and panel kernels sum each output in the same order, so a row's
+result has the same bits at any batch size (batch invariance).
 
 The dense weight may be wider than the activations (bf16 values held in fp32 on CPUs without
 bf16 arithmetic, see ``config.matmul_dtype``): the input is widened and the output rounded
@@ -28,10 +29,11 @@ from pagedllm.kernels import gguf_ops, ops, reference
 from pagedllm.quantization.weights import QuantizedWeight
 
 # Up to this many rows (tokens) the packed kernel beats the dense GEMM on this machine class;
-# above it the dense path wins. All 121 linears of SmolLM2-135M, fp32, 2 cores, packed blocks
-# vs native dense panels: 1 row 6.9 vs 23.7 ms, 8 rows 25.9 vs 34.0, 12 rows 40.7 vs 34.7,
-# 24 rows 84.4 vs 47.9 ms (MKL's sgemm: 56 ms at 1 row, 92-120 ms at 16).
-PACKED_MAX_ROWS = 10
+# above it the dense path wins. All 121 linears of SmolLM2-135M, fp32, 2 cores (AMD EPYC Zen 3),
+# packed blocks vs native dense panels: 8 rows 24.1 vs 45.9 ms, 16 rows 37.0 vs 44.3, 20 rows
+# 45.5 vs 51.4, 24 rows 53.8 vs 50.3 ms. Both kernels give the same bits for a row (see
+# kernels/csrc/cpu_kernels.cpp), so this threshold moves speed only, never a logit.
+PACKED_MAX_ROWS = 20
 
 # Bumped whenever any Linear's packed blocks are set or replaced: code that captured their
 # pointers (the one-call decoder stack) compares it instead of re-reading every pointer.

@@ -43,7 +43,7 @@ def test_dequantize_twin_matches_the_gguf_package(qtype):
 def test_grouping_keeps_every_weight(qtype, n):
     packed, dense = random_blocks(qtype, n, 64, seed=n)
     grouped = reference.group_blocks(packed, qtype, n, 64)
-    assert grouped.shape == (-(-n // 4), 2, 96 if qtype == "Q4_1" else 144)
+    assert grouped.shape == (-(-n // 16), 2, 320 if qtype == "Q4_1" else 544)
     torch.testing.assert_close(reference.dequantize_grouped(grouped, qtype, n, 64), torch.from_numpy(dense), rtol=0, atol=0)
 
 
@@ -59,6 +59,22 @@ def test_grouped_gemm_matches_dense_matmul(qtype, m, n, k):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     with ops.torch_only():
         torch.testing.assert_close(ops.grouped_linear(x, grouped, qtype, n), got, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(37, 96), (64, 32), (130, 576)])
+def test_grouped_gemm_rows_are_bit_identical_to_the_dense_gemm_at_every_batch_size(qtype, n, k):
+    """The batch-invariance contract: the small-step kernel (blocks) and the big-step kernel
+    (fp32 panels of the same weights) sum each output in the same order, so a row's result is
+    the same bits whether it runs alone, with a few rows (blocks) or with many (panels)."""
+    packed, dense = random_blocks(qtype, n, k, seed=n + k)
+    grouped = reference.group_blocks(packed, qtype, n, k)
+    panels = reference.pack_panels(torch.from_numpy(dense))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k))
+    full = ops.panel_linear(x, panels, n)
+    for m in range(1, PACKED_MAX_ROWS + 3):
+        assert torch.equal(ops.grouped_linear(x[:m], grouped, qtype, n), full[:m]), f"{m} rows"
+        assert torch.equal(ops.panel_linear(x[:m], panels, n), full[:m]), f"{m} rows (panels)"
 
 
 def test_linear_gives_the_same_rows_from_blocks_and_from_dense_weights():
@@ -173,7 +189,10 @@ def test_portable_build_matches_the_torch_twins(monkeypatch):
         for m in (1, 2, 5):
             x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
             want = x @ torch.from_numpy(dense).t()
-            torch.testing.assert_close(ops.grouped_linear(x, grouped, qtype, 37), want, rtol=1e-4, atol=1e-4)
+            got = ops.grouped_linear(x, grouped, qtype, 37)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            # batch invariance holds on this path too: the same bits as the dense GEMM
+            assert torch.equal(got, ops.panel_linear(x, reference.pack_panels(torch.from_numpy(dense)), 37))
     w = torch.randn(37, 50)
     for m in (1, 8, 100):
         x = torch.randn(m, 50)

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_loader import unpermute_qk
+from pagedllm.model.linear import PACKED_MAX_ROWS
 from tests.conftest import save_tiny_model
 from tests.kernels.test_gguf_kernels import random_gguf
 from tests.model.test_hf_models import oracle_greedy
@@ -235,7 +236,7 @@ def test_the_decoder_stack_rule_says_why_it_is_off(tmp_path):
     model, kv, stack = runner.model, runner.kv_caches, runner.model.fused_stack
     plan = stack.get(model, runner.backend, kv, 4)
     assert plan is not None
-    assert stack.get(model, runner.backend, kv, 11) is None  # past the packed-weight regime
+    assert stack.get(model, runner.backend, kv, PACKED_MAX_ROWS + 1) is None  # past the packed-weight regime
     assert stack.get(model, TorchSDPAAttention(), kv, 1) is None  # backend without the capability
     with ops.torch_only():
         assert stack.get(model, runner.backend, kv, 1) is None

@@ -333,184 +333,168 @@ void paged_attention_bf16(float* out, const float* q, const bf16_t* key_cache, c
 }
 
 // ---------------------------------------------------------------------------------------------
-// GGUF weight-only GEMM. GGUF stores 32-weight blocks along K:
+// GGUF weight-only GEMM for steps of a few tokens. GGUF stores 32-weight blocks along K:
 //   Q4_1: fp16 d, fp16 m, 16 bytes: weight i = d * nibble_i + m; byte j holds i=j (low) and i=j+16 (high)
 //   Q8_0: fp16 d, 32 int8:          weight i = d * q_i
-// At load time the blocks are regrouped (pagedllm/kernels/reference.py: group_blocks): rows in
-// groups of 4, and for each block index the 4 rows' quants followed by their scales (and
-// minima) as fp32. One sequential stream then feeds 4 rows, and no fp16 conversion is left in
-// the inner loop. M (tokens) is small; W is read once per call.
+// At load time the blocks are regrouped (pagedllm/kernels/reference.py: group_blocks): output
+// rows in groups of 16 and, per block index, the 16 rows' fp16 scales (and minima), then for
+// each k the 16 rows' quants side by side. The kernel vectorises over output columns and keeps
+// k sequential: each y[m, n] is acc = fma(x[m, k], w[n, k], acc) for k = 0, 1, ..., K-1 from 0,
+// exactly the dense GEMM's order below, and w = d * q + m is exact in its product (an fp16
+// scale times a 4- or 8-bit integer fits fp32's mantissa), so it equals the fp32 copy's weight.
+// Both kernels therefore give bit-identical rows, whatever the number of rows in the step:
+// this is what makes a request's logits independent of what it is batched with.
 
 namespace {
 
 constexpr int QK = 32;
-constexpr int MT = 8;  // x rows per pass over a weight row when M > 2 (8 accumulators)
+constexpr int GROUP_ROWS = 16;
 
-struct GroupQ4_1 { uint8_t qs[4][16]; float d[4]; float m[4]; };
-struct GroupQ8_0 { int8_t qs[4][32]; float d[4]; };
-static_assert(sizeof(GroupQ4_1) == 96, "Q4_1 group-block is 96 bytes");
-static_assert(sizeof(GroupQ8_0) == 144, "Q8_0 group-block is 144 bytes");
+// qs[k][j]: Q4_1 row j in the low nibble, row j + 8 in the high one; Q8_0 row j.
+// d, m: fp16 as in the file (0.625 and 1.06 bytes per weight).
+struct GroupQ4_1 { uint16_t d[GROUP_ROWS]; uint16_t m[GROUP_ROWS]; uint8_t qs[QK][GROUP_ROWS / 2]; };
+struct GroupQ8_0 { uint16_t d[GROUP_ROWS]; int8_t qs[QK][GROUP_ROWS]; };
+static_assert(sizeof(GroupQ4_1) == 320, "Q4_1 group-block is 320 bytes");
+static_assert(sizeof(GroupQ8_0) == 544, "Q8_0 group-block is 544 bytes");
 
-// Row r of a group-block as 32 floats (the integer part; scale and minimum apply separately).
-inline void unpack(const GroupQ4_1& g, int r, float* w) {
-    for (int j = 0; j < 16; j++) { w[j] = float(g.qs[r][j] & 0x0f); w[j + 16] = float(g.qs[r][j] >> 4); }
+// The 16 weights of column k of a group-block (scalar path).
+inline void weights16(const GroupQ4_1& g, int k, float* w) {
+    for (int j = 0; j < 8; j++) {
+        const int q[2] = {g.qs[k][j] & 0x0f, g.qs[k][j] >> 4};
+        for (int h = 0; h < 2; h++)
+            w[j + 8 * h] = float(q[h]) * pagedllm_f16_to_f32(g.d[j + 8 * h]) + pagedllm_f16_to_f32(g.m[j + 8 * h]);
+    }
 }
-inline void unpack(const GroupQ8_0& g, int r, float* w) {
-    for (int j = 0; j < 32; j++) w[j] = float(g.qs[r][j]);
+inline void weights16(const GroupQ8_0& g, int k, float* w) {
+    for (int j = 0; j < GROUP_ROWS; j++) w[j] = float(g.qs[k][j]) * pagedllm_f16_to_f32(g.d[j]);
 }
-inline float group_min(const GroupQ4_1& g, int r) { return g.m[r]; }
-inline float group_min(const GroupQ8_0&, int) { return 0.f; }
 
 #ifdef PAGEDLLM_AVX2
-// Q4_1 without shuffles: broadcast 4 bytes (8 nibbles) to all lanes and shift each lane by
-// 0, 4, ..., 28. Lane order is then w[4c], w[4c+16], w[4c+1], w[4c+17], ... for byte group c,
-// so x is permuted to match once per call instead of the weights once per row.
-inline void unpack8(const GroupQ4_1& g, int r, __m256 q[4]) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i mask = _mm256_set1_epi32(0x0f);
-    for (int c = 0; c < 4; c++) {
-        int32_t word;
-        std::memcpy(&word, g.qs[r] + 4 * c, 4);
-        const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
-        q[c] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
-    }
+// A group-block's scales (and minima) held in registers while its 32 k pass.
+struct ScalesQ4_1 { __m256 d0, d1, m0, m1; };
+struct ScalesQ8_0 { __m256 d0, d1; };
+// 8 fp16 values widened (exactly) to fp32.
+inline __m256 load_f16x8(const uint16_t* h) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+#else
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; i++) f[i] = pagedllm_f16_to_f32(h[i]);
+    return _mm256_load_ps(f);
+#endif
 }
-inline void unpack8(const GroupQ8_0& g, int r, __m256 q[4]) {
-    for (int c = 0; c < 4; c++) {
-        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g.qs[r] + 8 * c));
-        q[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-    }
+inline ScalesQ4_1 scales(const GroupQ4_1& g) {
+    return {load_f16x8(g.d), load_f16x8(g.d + 8), load_f16x8(g.m), load_f16x8(g.m + 8)};
 }
-constexpr bool permutes_x(const GroupQ4_1*) { return true; }
-constexpr bool permutes_x(const GroupQ8_0*) { return false; }
-inline __m128 group_min4(const GroupQ4_1& g) { return _mm_loadu_ps(g.m); }
-inline __m128 group_min4(const GroupQ8_0&) { return _mm_setzero_ps(); }
+inline ScalesQ8_0 scales(const GroupQ8_0& g) { return {load_f16x8(g.d), load_f16x8(g.d + 8)}; }
 
-// MX rows of x (1 or 2) against the 4 rows of a group: the few-token case. Independent
-// accumulators per (x row, weight row); each block is unpacked once for all MX x rows.
-template <typename Group, int MX>
-inline void gemv_group(float* y, int64_t ldy, int rows, const float* x, int64_t ldx, const float* xsum,
-                       const Group* grp, int64_t nb) {
-    __m256 acc[MX][4];
-    __m128 minpart[MX];
-    for (int m = 0; m < MX; m++) {
-        minpart[m] = _mm_setzero_ps();
-        for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps();
-    }
+// The 16 weights of column k as two vectors (rows 0-7, 8-15).
+inline void weights16(const GroupQ4_1& g, const ScalesQ4_1& s, int k, __m256& w0, __m256& w1) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g.qs[k])));
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0f))), s.d0, s.m0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s.d1, s.m1);
+}
+inline void weights16(const GroupQ8_0& g, const ScalesQ8_0& s, int k, __m256& w0, __m256& w1) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g.qs[k]));
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s.d0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw))), s.d1);
+}
+#endif
+
+// y[0..MR-1, 0..16*NG-1] (`cols` of them stored) = MR rows of x times NG consecutive groups
+// (their group-blocks `nb` apart). MR and NG are template arguments so the accumulators stay
+// in registers: MR * 2 * NG vectors (at most 8), each column's k chain in order.
+template <typename Group, int MR, int NG>
+void gemm_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* grp, int64_t nb, int cols) {
+    constexpr int NC = GROUP_ROWS * NG;
+#ifdef PAGEDLLM_AVX2
+    using Scales = decltype(scales(grp[0]));
+    // Every loop over the accumulators is unrolled, so GCC keeps them in registers rather than
+    // storing the array on every k (measured: 1.4x slower).
+    __m256 acc[MR][2 * NG];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 2 * NG; v++) acc[i][v] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const Group& g = grp[b];
-        for (int m = 0; m < MX; m++) minpart[m] = _mm_fmadd_ps(group_min4(g), _mm_set1_ps(xsum[m * nb + b]), minpart[m]);
-        for (int r = 0; r < 4; r++) {
-            __m256 qv[4];
-            unpack8(g, r, qv);
-            const __m256 d = _mm256_broadcast_ss(&g.d[r]);
-            for (int m = 0; m < MX; m++) {
-                const float* xb = x + m * ldx + b * QK;
-                const __m256 s01 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), qv[1], _mm256_mul_ps(_mm256_loadu_ps(xb), qv[0]));
-                const __m256 s23 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), qv[3], _mm256_mul_ps(_mm256_loadu_ps(xb + 16), qv[2]));
-                acc[m][r] = _mm256_fmadd_ps(d, _mm256_add_ps(s01, s23), acc[m][r]);
+        Scales s[NG];
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; g++) s[g] = scales(grp[g * nb + b]);
+        const float* xb = x + b * QK;
+        for (int k = 0; k < QK; k++) {
+            __m256 w[2 * NG];
+#pragma GCC unroll 2
+            for (int g = 0; g < NG; g++) weights16(grp[g * nb + b], s[g], k, w[2 * g], w[2 * g + 1]);
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) {
+                const __m256 xv = _mm256_broadcast_ss(xb + i * ldx + k);
+#pragma GCC unroll 4
+                for (int v = 0; v < 2 * NG; v++) acc[i][v] = _mm256_fmadd_ps(xv, w[v], acc[i][v]);
             }
         }
     }
-    for (int m = 0; m < MX; m++) {
-        alignas(16) float mins[4];
-        _mm_store_ps(mins, minpart[m]);
-        for (int r = 0; r < rows; r++) y[m * ldy + r] = hsum(acc[m][r]) + mins[r];
-    }
-}
-#endif
-
-// y[m0 .. m0+mt-1, n] for weight row r of a group (n = its row index). mt is a template
-// argument so the accumulators stay in registers.
-template <typename Group, int mt>
-inline void gemm_group_row(float* y, const float* x, const float* xsum, const Group* grp, int r, int64_t m0,
-                           int64_t n, int64_t N, int64_t K) {
-    const int64_t nb = K / QK;
-    float minpart[MT] = {};
-#ifdef PAGEDLLM_AVX2
-    __m256 acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 qv[4];
-        unpack8(grp[b], r, qv);
-        const __m256 d = _mm256_broadcast_ss(&grp[b].d[r]);
-        const float mn = group_min(grp[b], r);
-        for (int i = 0; i < mt; i++) {
-            const float* xb = x + (m0 + i) * K + b * QK;
-            const __m256 s01 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), qv[1], _mm256_mul_ps(_mm256_loadu_ps(xb), qv[0]));
-            const __m256 s23 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), qv[3], _mm256_mul_ps(_mm256_loadu_ps(xb + 16), qv[2]));
-            acc[i] = _mm256_fmadd_ps(d, _mm256_add_ps(s01, s23), acc[i]);
-            minpart[i] += mn * xsum[(m0 + i) * nb + b];
-        }
-    }
-    for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = hsum(acc[i]) + minpart[i];
+    alignas(32) float tile[MR][NC];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 2 * NG; v++) _mm256_store_ps(tile[i] + 8 * v, acc[i][v]);
 #else
-    float acc[MT] = {};
-    float w[QK];
-    for (int64_t b = 0; b < nb; b++) {
-        unpack(grp[b], r, w);
-        const float d = grp[b].d[r];
-        const float mn = group_min(grp[b], r);
-        for (int i = 0; i < mt; i++) {
-            const float* xb = x + (m0 + i) * K + b * QK;
-            acc[i] += d * dot(xb, w, QK);
-            minpart[i] += mn * xsum[(m0 + i) * nb + b];
+    float tile[MR][NC] = {};
+    float w[NC];
+    for (int64_t b = 0; b < nb; b++)
+        for (int k = 0; k < QK; k++) {
+            for (int g = 0; g < NG; g++) weights16(grp[g * nb + b], k, w + GROUP_ROWS * g);
+            for (int i = 0; i < MR; i++) {
+                const float v = x[i * ldx + b * QK + k];
+#pragma omp simd
+                for (int j = 0; j < NC; j++) tile[i][j] += v * w[j];
+            }
+        }
+#endif
+    for (int i = 0; i < MR; i++) std::memcpy(y + i * ldy, tile[i], cols * sizeof(float));
+}
+
+// All M rows against NG groups starting at column n0: row tiles of up to 4 (2 when NG = 2).
+template <typename Group, int NG>
+void gemm_groups(float* y, const float* x, const Group* grp, int64_t M, int64_t N, int64_t K, int64_t n0) {
+    const int64_t nb = K / QK;
+    const int cols = int(std::min<int64_t>(GROUP_ROWS * NG, N - n0));
+    constexpr int MR = NG == 1 ? 4 : 2;
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        float* yt = y + m0 * N + n0;
+        const float* xt = x + m0 * K;
+        const int64_t rows = std::min<int64_t>(MR, M - m0);
+        if constexpr (NG == 2) {
+            if (rows == 1) gemm_tile<Group, 1, 2>(yt, N, xt, K, grp, nb, cols);
+            else gemm_tile<Group, 2, 2>(yt, N, xt, K, grp, nb, cols);
+        } else {
+            switch (rows) {
+                case 1: gemm_tile<Group, 1, 1>(yt, N, xt, K, grp, nb, cols); break;
+                case 2: gemm_tile<Group, 2, 1>(yt, N, xt, K, grp, nb, cols); break;
+                case 3: gemm_tile<Group, 3, 1>(yt, N, xt, K, grp, nb, cols); break;
+                default: gemm_tile<Group, 4, 1>(yt, N, xt, K, grp, nb, cols); break;
+            }
         }
     }
-    for (int i = 0; i < mt; i++) y[(m0 + i) * N + n] = acc[i] + minpart[i];
-#endif
 }
 
 template <typename Group>
 void grouped_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t nb = K / QK;
-    const int64_t num_groups = (N + 3) / 4;
+    const int64_t num_groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;
     const Group* groups = reinterpret_cast<const Group*>(w);
-    std::vector<float> xsum(M * nb);  // per-block sums of x, for the Q4_1 minimum term
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            float s = 0.f;
-            for (int k = 0; k < QK; k++) s += x[m * K + b * QK + k];
-            xsum[m * nb + b] = s;
-        }
-#ifdef PAGEDLLM_AVX2
-    std::vector<float> xperm;
-    if (permutes_x(groups)) {  // the lane order unpack8 produces (see there)
-        xperm.resize(M * K);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb; b++)
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 4; i++)
-                        for (int h = 0; h < 2; h++)
-                            xperm[m * K + b * QK + 8 * c + 2 * i + h] = x[m * K + b * QK + 4 * c + i + 16 * h];
-        x = xperm.data();
-    }
-#endif
+    // Two groups (32 columns) per pass for one or two rows: 4-8 independent FMA chains hide
+    // the FMA latency; with more rows, one group per pass feeds the row tiles.
+    const bool pairs = M <= 2;
+    const int64_t items = pairs ? (num_groups + 1) / 2 : num_groups;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t gi = 0; gi < num_groups; gi++) {
-        const Group* grp = groups + gi * nb;
-        const int rows = int(std::min<int64_t>(4, N - 4 * gi));
-#ifdef PAGEDLLM_AVX2
-        if (M <= 2) {  // unpack-bound: all 4 weight rows at once; else FMA-bound: tiles of x rows
-            if (M == 2) gemv_group<Group, 2>(y + 4 * gi, N, rows, x, K, xsum.data(), grp, nb);
-            else gemv_group<Group, 1>(y + 4 * gi, N, rows, x, K, xsum.data(), grp, nb);
-            continue;
-        }
-#endif
-        for (int r = 0; r < rows; r++) {
-            const int64_t n = 4 * gi + r;
-            for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                switch (std::min<int64_t>(MT, M - m0)) {
-                    case 1: gemm_group_row<Group, 1>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    case 2: gemm_group_row<Group, 2>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    case 3: gemm_group_row<Group, 3>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    case 4: gemm_group_row<Group, 4>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    case 5: gemm_group_row<Group, 5>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    case 6: gemm_group_row<Group, 6>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    case 7: gemm_group_row<Group, 7>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                    default: gemm_group_row<Group, 8>(y, x, xsum.data(), grp, r, m0, n, N, K); break;
-                }
-            }
+    for (int64_t it = 0; it < items; it++) {
+        if (!pairs) {
+            gemm_groups<Group, 1>(y, x, groups + it * nb, M, N, K, it * GROUP_ROWS);
+        } else if (2 * it + 1 < num_groups) {
+            gemm_groups<Group, 2>(y, x, groups + 2 * it * nb, M, N, K, 2 * it * GROUP_ROWS);
+        } else {
+            gemm_groups<Group, 1>(y, x, groups + 2 * it * nb, M, N, K, 2 * it * GROUP_ROWS);
         }
     }
 }
