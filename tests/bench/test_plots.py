@@ -34,10 +34,10 @@ def _write_throughput(monkeypatch, path: Path, num_prompts: int, compare: bool) 
     )
     monkeypatch.setattr(
         throughput,
-        "run_transformers",
-        lambda w, model, dtype: {
-            "engine": "transformers",
-            "transformers_version": "x",
+        "run_peer",
+        lambda engine, w, model, dtype, python, peer_model: {
+            "engine": engine,
+            "version": "x",
             **throughput._rates(w, elapsed=0.02 * w.num_prompts + 1),
         },
     )
