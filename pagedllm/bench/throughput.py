@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,6 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-python", default=None, help="the peer's Python (default: this one; vLLM: its venv's)")
     p.add_argument("--peer-model", default=None,
                    help="the peer's copy of the model (default: the GGUF file for transformers; vLLM needs an HF dir)")
+    p.add_argument("--peer-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in the peer's process only (e.g. LD_PRELOAD=libtcmalloc_minimal.so.4 for vLLM)")
 
 
 def _rates(w: Workload, elapsed: float) -> dict:
@@ -57,7 +60,7 @@ def run_pagedllm(w: Workload, engine_kwargs: dict) -> dict:
 
 
 def run_peer(engine: str, w: Workload, model: str | None, dtype: str, python: str | None,
-             peer_model: str | None) -> dict:
+             peer_model: str | None, peer_env: list[str] = ()) -> dict:
     """One peer on the workload, in a fresh process (peer_worker.py); its timing and rates."""
     from pagedllm.model.loader import resolve_model
 
@@ -72,7 +75,9 @@ def run_peer(engine: str, w: Workload, model: str | None, dtype: str, python: st
     job = {"engine": engine, "model": str(target), "gguf_file": gguf_file, "dtype": dtype,
            "prompts": w.prompts(), "output_len": w.output_len}  # fmt: skip
     worker = Path(__file__).with_name("peer_worker.py")
-    proc = subprocess.run([python or sys.executable, str(worker)], input=json.dumps(job), capture_output=True, text=True)
+    env = {**os.environ, **dict(kv.split("=", 1) for kv in peer_env)}
+    proc = subprocess.run([python or sys.executable, str(worker)], input=json.dumps(job), capture_output=True,
+                          text=True, env=env)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     )
     for engine in dict.fromkeys(args.compare):
         gc.collect()
-        base = run_peer(engine, w, engine_kwargs.get("model"), result["dtype"], args.peer_python, args.peer_model)
+        base = run_peer(engine, w, engine_kwargs.get("model"), result["dtype"], args.peer_python, args.peer_model,
+                        args.peer_env)
         result[engine] = base
         ratio = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
         result[f"ratio_output_tokens_per_s_{engine}"] = ratio
