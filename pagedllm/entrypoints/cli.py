@@ -23,7 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = {f.name: f.default for f in fields(EngineConfig)}
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["auto", "bfloat16", "float32"], help="weights, activations and KV-cache dtype; auto = bfloat16 where the CPU has native bf16, else float32 (default: %(default)s)")
+    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["auto", "bfloat16", "float32"], help="weights, activations and KV-cache dtype; auto = float32, the exact mode; bfloat16 is opt-in (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens per KV-cache block (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"], help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"], help="token budget of one step (default: %(default)s)")

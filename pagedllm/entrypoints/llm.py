@@ -21,8 +21,8 @@ class LLM:
     """Generate text for many prompts at once with continuous batching over a paged KV cache.
 
     ``model`` is a GGUF file, a Hugging Face model directory, or None for the embedded
-    SmolLM2-135M-Instruct. ``dtype="auto"`` (default) is bfloat16 on CPUs that multiply it
-    natively (AMX / AVX512-BF16) and float32 elsewhere; ``float32`` is the exactness reference.
+    SmolLM2-135M-Instruct. ``dtype="auto"`` (default) is float32, the exact mode (greedy tokens
+    equal transformers' fp32); ``bfloat16`` is opt-in.
     """
 
     def __init__(self, model: str | None = None, *, log_stats_interval: float = 5.0, **engine_args: Any):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import matmul_dtype
+from pagedllm import config
+from pagedllm.config import matmul_dtype, resolve_dtype
 from pagedllm.kernels import ops
 from pagedllm.model.linear import Linear
 from tests.conftest import save_tiny_model
@@ -24,6 +25,16 @@ def test_matmul_dtype_follows_the_cpu_and_the_override(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_BF16_MATMUL", "fp16")
     with pytest.raises(ValueError, match="PAGEDLLM_BF16_MATMUL"):
         matmul_dtype(torch.bfloat16)
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_dtype_is_the_exact_float32_on_every_cpu(monkeypatch, native_bf16):
+    """The exact mode is the default even where bf16 is native (it would change answers)."""
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native_bf16)
+    assert resolve_dtype("auto") == torch.float32
+    assert resolve_dtype("bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("float16")
 
 
 def test_widened_linear_equals_the_bf16_matmul():
