@@ -22,6 +22,10 @@ DEFAULT_DTYPE = "auto"
 # for bytes: see attention/kv_cache_dtype.py and docs/kv_cache_dtype.md.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3"}
+# What the linears multiply: float32 (exact: the dequantized weights times fp32 activations), or
+# int8 - the opt-in fast mode, activations quantized per 32-wide block for GGUF Q4_0/Q4_1/Q8_0
+# weights (quantization/int8_activations.py, docs/quantization.md).
+ACTIVATION_DTYPES = ("float32", "int8")
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE default.
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 
@@ -91,6 +95,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto | cpu_native | torch_sdpa | reference
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
+    activation_dtype: str = "float32"  # float32 (exact) | int8 (fast mode: integer dot products)
     packed_weights: bool = True  # GGUF models: small batches read the quantized blocks directly
     # Quantized models: also keep an fp32 copy of the weights for big steps? auto | yes | no
     # (auto: when it takes at most a third of the available memory; quantization/placement.py)
@@ -128,6 +133,8 @@ class EngineConfig:
         kv = KV_CACHE_DTYPE_ALIASES.get(str(self.kv_cache_dtype).lower(), str(self.kv_cache_dtype).lower())
         if not isinstance(self.kv_cache_dtype, str) or kv not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {self.activation_dtype!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
 

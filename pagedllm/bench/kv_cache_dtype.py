@@ -152,35 +152,44 @@ def _agreement(mine: list[int], ref: list[int]) -> int:
     return n
 
 
-def bench_accuracy(llm, dtypes: list[str], max_tokens: int) -> dict[str, Any]:
+def greedy_and_perplexity(llm, max_tokens: int) -> tuple[list[list[int]], float]:
+    """The greedy tokens of every parity prompt (``max_tokens`` each, EOS ignored) and the
+    perplexity of ``PERPLEXITY_TEXT`` (its prompt log-probabilities), from one engine."""
     from pagedllm import SamplingParams
 
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": p} for p in parity_prompts(tok)]
     text_ids = tok.encode(PERPLEXITY_TEXT)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
     ppl_params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    (ppl_out,) = llm.generate({"prompt_token_ids": text_ids}, ppl_params, use_tqdm=False)
+    lps = [entry[t].logprob for t, entry in zip(text_ids[1:], ppl_out.prompt_logprobs[1:])]
+    return [o.outputs[0].token_ids for o in outs], math.exp(-sum(lps) / len(lps))
+
+
+def agreement_stats(tokens: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
+    """Share of the reference's tokens matched before each prompt's first divergence."""
+    agree = [_agreement(m, r) for m, r in zip(tokens, ref)]
+    return {
+        "agreement_pct": 100.0 * sum(agree) / sum(len(r) for r in ref),
+        "prompts_identical": sum(a == len(r) for a, r in zip(agree, ref)),
+        "first_divergence": agree,
+    }
+
+
+def bench_accuracy(llm, dtypes: list[str], max_tokens: int) -> dict[str, Any]:
     tokens: dict[str, list[list[int]]] = {}
-    result: dict[str, Any] = {"num_prompts": len(prompts), "max_tokens": max_tokens, "perplexity_text_tokens": len(text_ids)}
     per: dict[str, Any] = {}
     for name in dict.fromkeys(["float32", *dtypes]):
         use_kv_dtype(llm, name)
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
-        tokens[name] = [o.outputs[0].token_ids for o in outs]
-        (ppl_out,) = llm.generate({"prompt_token_ids": text_ids}, ppl_params, use_tqdm=False)
-        lps = [entry[t].logprob for t, entry in zip(text_ids[1:], ppl_out.prompt_logprobs[1:])]
-        ref = tokens["float32"]
-        agree = [_agreement(m, r) for m, r in zip(tokens[name], ref)]
-        per[name] = {
-            "agreement_pct": 100.0 * sum(agree) / sum(len(r) for r in ref),
-            "prompts_identical": sum(a == len(r) for a, r in zip(agree, ref)),
-            "first_divergence": agree,
-            "perplexity": math.exp(-sum(lps) / len(lps)),
-        }
+        tokens[name], ppl = greedy_and_perplexity(llm, max_tokens)
+        per[name] = {**agreement_stats(tokens[name], tokens["float32"]), "perplexity": ppl}
     for name, r in per.items():
         r["perplexity_delta_pct"] = 100.0 * (r["perplexity"] / per["float32"]["perplexity"] - 1)
-    result["per_dtype"] = per
-    return result
+    tok = llm.get_tokenizer()
+    return {"num_prompts": len(tokens["float32"]), "max_tokens": max_tokens,
+            "perplexity_text_tokens": len(tok.encode(PERPLEXITY_TEXT)), "per_dtype": per}  # fmt: skip
 
 
 def bench_w1(llm, output_len: int, dtypes: tuple[str, ...] = ("float32", "int8")) -> dict[str, Any]:

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     result = {
         "workload": w.name,
         "dtype": str(llm.llm_engine.config.torch_dtype).removeprefix("torch."),
+        "activation_dtype": llm.llm_engine.config.activation_dtype,
         "ttft_ms": {"mean": 1e3 * statistics.mean(ttfts), "median": 1e3 * statistics.median(ttfts), "p99": 1e3 * _percentile(ttfts, 99)},
         "ms_per_output_token": {
             "mean": 1e3 * statistics.mean(per_token),

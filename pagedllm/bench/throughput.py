@@ -93,9 +93,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     ours = run_pagedllm(w, engine_kwargs)
     result = {"workload": w.name, "model": engine_kwargs.get("model") or DEFAULT_MODEL_NAME,
               "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
-              "dtype": str(dtype).removeprefix("torch."), "pagedllm": ours}  # fmt: skip
+              "dtype": str(dtype).removeprefix("torch."), "activation_dtype": engine_kwargs.get("activation_dtype", "float32"),
+              "pagedllm": ours}  # fmt: skip
     line = (
-        f"pagedllm ({w.name}, {result['dtype']}): {ours['requests_per_s']:.2f} requests/s, "
+        f"pagedllm ({w.name}, {result['dtype']}, {result['activation_dtype']} activations): {ours['requests_per_s']:.2f} requests/s, "
         f"{ours['total_tokens_per_s']:.1f} total tokens/s, {ours['output_tokens_per_s']:.1f} output tokens/s "
         f"({ours['elapsed_s']:.1f} s)"
     )

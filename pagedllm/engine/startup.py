@@ -22,6 +22,8 @@ from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.registry import model_class
 from pagedllm.model.loader import ModelSource, load_weights, resolve_model
+from pagedllm.quantization import int8_activations
+from pagedllm.quantization.int8_activations import log_report as log_int8_report
 from pagedllm.quantization.placement import choose as choose_placement
 from pagedllm.quantization.placement import log_placement
 from pagedllm.quantization.weights import QuantizedWeight
@@ -104,6 +106,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
     if n:
         logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
+    if config.activation_dtype == "int8":  # the opt-in fast mode; the layers it cannot take stay as above
+        with times.phase("int8 panels"):
+            log_int8_report(int8_activations.convert_model(model))
     with times.phase("tokenizer"):
         tokenizer = load_tokenizer(source)
     eos = set(arch.eos_token_ids)

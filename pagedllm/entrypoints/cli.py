@@ -8,7 +8,7 @@ import importlib
 import sys
 from dataclasses import fields
 
-from pagedllm.config import DEFAULT_DTYPE, KV_CACHE_DTYPES, EngineConfig
+from pagedllm.config import ACTIVATION_DTYPES, DEFAULT_DTYPE, KV_CACHE_DTYPES, EngineConfig
 
 _DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -39,6 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-path", default=None, help="memory-mapped file backing the swap pool (default: RAM)")
     g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "cpu_native", "torch_sdpa", "reference"], help="paged-attention implementation; auto = the native CPU kernel when it builds (fp32 or bf16 model on CPU; any KV cache dtype), else torch_sdpa (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default=defaults["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES), help="KV-cache storage; auto = the model's dtype (exact); int8 / fp8_e4m3 keep a scale per token and head and hold ~3.8x the tokens of float32 in the same space (default: %(default)s)")
+    g.add_argument("--activation-dtype", default=defaults["activation_dtype"], choices=list(ACTIVATION_DTYPES), help="what the linears multiply: float32 = fp32 activations x the exact dequantized weights; int8 = fast mode for GGUF Q4_0/Q4_1/Q8_0 weights, activations quantized per 32-wide block and integer dot products (llama.cpp's scheme; not exact, see docs/quantization.md) (default: %(default)s)")
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
@@ -80,6 +81,7 @@ ENGINE_BENCHES = {
     "structured": ("structured", "structured outputs: validity of constrained outputs, and their cost per step"),
     "weight-quant": ("weight_quant", "perplexity and greedy agreement of --quantization int8/int4 against the checkpoint"),
     "kv-cache-dtype": ("kv_cache_dtype", "KV cache dtypes: decode-attention speed, accuracy against fp32, W1"),
+    "activation-dtype": ("activation_dtype", "--activation-dtype int8: greedy agreement and perplexity against fp32 (per layer choice), W1 speed"),
 }
 
 

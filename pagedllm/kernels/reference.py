@@ -189,3 +189,123 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     allowed = _BITS.to(logits.device)[bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)[:, :vocab]
     sub = logits[rows]
     logits[rows] = sub.masked_fill(allowed[:, : sub.shape[1]] == 0, float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 activations (activation_dtype="int8"; csrc/int8_gemm.cpp): x quantized in 32-wide blocks,
+# weights in int8 panels. The twins below define both layouts and the exact integer scheme.
+
+INT8_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the GGUF block types with an integer kernel (GGML numbers)
+_FILE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+INT8_COLS = 16  # output columns per panel
+INT8_HEADER = {"Q4_0": 64, "Q4_1": 128, "Q8_0": 64}  # fp32 dw (and mw) of the panel's 16 columns
+INT8_RECORD = {"Q4_0": 64 + 256, "Q4_1": 128 + 256, "Q8_0": 64 + 512}  # bytes per panel and block
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32): per 32-wide block,
+    q = round_half_even(x * (127 / amax)), d = amax / 127, s = the sum of q. The kernel runs the
+    same fp32 operations, so its quants are bit-identical to these."""
+    xb = x.float().reshape(x.shape[0], -1, QK)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).to(torch.int32)
+    return q.to(torch.int8).reshape(x.shape), amax / 127.0, q.sum(-1, dtype=torch.int32)
+
+
+Fields = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # quants [N, K] int16, d [N, nb], m [N, nb] | None
+
+
+def block_fields(blocks: torch.Tensor, qtype: str, in_features: int) -> Fields:
+    """(raw quants, fp32 scales, fp32 minima or None) of GGUF blocks [N, row_bytes] of Q4_0 / Q4_1
+    / Q8_0: Q4_0 weight = d * (q - 8), Q4_1 = d * q + m, Q8_0 = d * q (q int8)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, in_features // QK, _FILE_BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if qtype == "Q4_1" else None
+    if qtype == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16)
+    else:
+        nib = b[..., 4 if qtype == "Q4_1" else 2 :].to(torch.int16)
+        q = torch.cat([nib & 0x0F, nib >> 4], dim=-1)
+    return q.reshape(n, in_features), d, m
+
+
+def grouped_fields(grouped: torch.Tensor, qtype: str, out_features: int, in_features: int) -> Fields:
+    """The same fields from the grouped layout (``group_blocks``, Q4_1 / Q8_0)."""
+    nb = in_features // QK
+    g = grouped.reshape(-1, nb, GROUP_BYTES[qtype])
+    d = g[..., :32].contiguous().view(torch.float16).float()  # [G, nb, 16]
+    m = g[..., 32:64].contiguous().view(torch.float16).float() if qtype == "Q4_1" else None
+    if qtype == "Q4_1":
+        b = g[..., 64:].reshape(*g.shape[:2], QK, 8).to(torch.int16)
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1)  # [G, nb, 32 (k), 16 (rows)]
+    else:
+        q = g[..., 32:].contiguous().view(torch.int8).reshape(*g.shape[:2], QK, GROUP_ROWS).to(torch.int16)
+    rows = lambda t: t.permute(0, 2, 1).reshape(-1, nb)[:out_features]  # noqa: E731  [G, nb, 16] -> [N, nb]
+    q = q.permute(0, 3, 1, 2).reshape(-1, in_features)[:out_features]
+    return q.contiguous(), rows(d).contiguous(), None if m is None else rows(m).contiguous()
+
+
+def dequantize_fields(fields: Fields, qtype: str) -> torch.Tensor:
+    """The [N, K] weights of (quants, scales, minima), in fp64 (exact)."""
+    q, d, m = fields
+    n, k = q.shape
+    qb = q.double().reshape(n, k // QK, QK) - (8 if qtype == "Q4_0" else 0)
+    w = qb * d.double()[..., None]
+    if m is not None:
+        w = w + m.double()[..., None]
+    return w.reshape(n, k)
+
+
+def pack_int8_panels(fields: Fields, qtype: str) -> torch.Tensor:
+    """The int8 kernel's panels [ceil(N/16), K/32, record] uint8 from a weight's fields.
+
+    Per panel (16 output rows, zero rows pad the last) and block b: fp32 dw[16], for Q4_1 fp32
+    mw[16], then per group g of 4 k the 16 rows' 4 quants side by side (row j at bytes 4j..4j+3);
+    Q4_0 / Q4_1 hold groups c and c + 4 in the low and high nibbles of chunk c (raw nibbles 0..15),
+    Q8_0 its int8 quants (csrc/int8_gemm.cpp)."""
+    q, d, m = fields
+    n, k = q.shape
+    nb, p = k // QK, -(-n // INT8_COLS)
+    pad = p * INT8_COLS - n
+
+    def header(t: torch.Tensor) -> torch.Tensor:  # [N, nb] fp32 -> [P, nb, 64] bytes
+        t = torch.cat([t.float(), t.new_zeros(pad, nb, dtype=torch.float32)])
+        return t.view(p, INT8_COLS, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+    qp = torch.cat([q, q.new_zeros(pad, k)]).view(p, INT8_COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [P, nb, g, 16, 4]
+    if qtype == "Q8_0":
+        quants = qp.to(torch.int8).contiguous().view(torch.uint8).reshape(p, nb, -1)
+    else:
+        quants = (qp[:, :, :4] | (qp[:, :, 4:] << 4)).to(torch.uint8).reshape(p, nb, -1)
+    parts = [header(d)] + ([header(m)] if qtype == "Q4_1" else []) + [quants]
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def int8_panel_fields(panels: torch.Tensor, qtype: str, out_features: int, in_features: int) -> Fields:
+    """The fields back from the panels (``pack_int8_panels``'s inverse)."""
+    p, nb = panels.shape[0], in_features // QK
+    h = INT8_HEADER[qtype]
+    rows = lambda t: t.contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb)[:out_features]  # noqa: E731
+    d = rows(panels[..., :64])
+    m = rows(panels[..., 64:128]) if qtype == "Q4_1" else None
+    raw = panels[..., h:]
+    if qtype == "Q8_0":
+        qg = raw.contiguous().view(torch.int8).reshape(p, nb, 8, INT8_COLS, 4).to(torch.int16)
+    else:
+        c = raw.reshape(p, nb, 4, INT8_COLS, 4).to(torch.int16)
+        qg = torch.cat([c & 0x0F, c >> 4], dim=2)  # groups 0-3 then 4-7
+    q = qg.permute(0, 3, 1, 2, 4).reshape(-1, in_features)[:out_features]
+    return q.contiguous(), d.contiguous(), None if m is None else m.contiguous()
+
+
+def int8_linear(x: torch.Tensor, panels: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
+    """The twin of ``int8_gemm_f32``: x quantized as the kernel does, both sides' values in fp64,
+    one matmul, rounded to fp32. The kernel's integer block sums are exact, so it differs from
+    this only by fp32 rounding of the per-block scaling and the sum over blocks."""
+    k = x.shape[-1]
+    q, d, _ = quantize_activations(x.reshape(-1, k))
+    xd = (q.double().reshape(q.shape[0], -1, QK) * d.double()[..., None]).reshape(q.shape)
+    w = dequantize_fields(int8_panel_fields(panels, qtype, out_features, k), qtype)
+    return (xd @ w.T).float().reshape(*x.shape[:-1], out_features)

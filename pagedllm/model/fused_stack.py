@@ -11,7 +11,8 @@ else (``why_not``):
 - the attention backend declares ``fused_decoder_stack`` (its attention is what the stack computes);
 - every layer's four linears hold GGUF blocks of a type the stack knows (Q4_1, Q8_0), no biases;
 - the model computes in fp32 and every layer's KV cache is fp32 and contiguous.
-- every layer's MLP is dense (the stack has no mixture-of-experts routing).
+- every layer's MLP is dense (the stack has no mixture-of-experts routing);
+- no linear takes int8 activations (``activation_dtype="int8"``: the stack multiplies in fp32).
 
 A feature that changes what a layer computes (LoRA deltas, tensor-parallel shards, a quantized
 KV cache, ...) must add its condition to ``why_not``; the stack never silently skips it.
@@ -55,6 +56,8 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | 
         return f"the model computes in {model.norm.weight.dtype}"
     for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
         for lin in _linears(layer):
+            if lin.int8 is not None:
+                return f"layer {i}'s linears take int8 activations (activation_dtype=int8)"
             if lin.packed is None or lin.qtype not in _QTYPES:
                 return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
             if lin.bias is not None:

@@ -60,6 +60,9 @@ class Linear(nn.Module):
         self.panels: torch.Tensor | None = None
         # Row segments in GGUF blocks (set_quant): each covers consecutive output rows.
         self.quant: list[QuantizedWeight] | None = None
+        # activation_dtype="int8": the weight as int8 panels (quantization/int8_activations.py).
+        # When set, it is the layer's only form and every step runs on it.
+        self.int8 = None
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "packed":
@@ -84,6 +87,15 @@ class Linear(nn.Module):
         if drop_dense:
             self.weight = None
             self.panels = None
+
+    def set_int8(self, weight) -> None:
+        """Run on int8 activations from now on (an ``int8_activations.Int8Weight``); the exact
+        forms are released."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"int8 weight {weight.out_features}x{weight.in_features} does not fit a {self.out_features}x{self.in_features} layer")
+        self.int8 = weight
+        self.weight = self.panels = self.packed = self.quant = None
+        self.qtype, self._gemm = None, None
 
     def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
@@ -120,6 +132,8 @@ class Linear(nn.Module):
         return self.weight.dtype if self.panels is None and self.weight is not None else torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:  # the opt-in fast mode
+            return self.int8.forward(x, self.bias)
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             if self._gemm is not None and ops.enabled() and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():
                 # The hot path of single-stream decoding: no checks or copies beyond these.
@@ -139,6 +153,8 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         packed = f", packed={self.qtype}" if self.packed is not None else ""
+        if self.int8 is not None:
+            packed += ", int8=" + self.int8.qtypes
         if self.quant is not None:
             packed += ", quant=" + "+".join(s.qtype for s in self.quant)
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{packed}"

@@ -1,0 +1,377 @@
+// The fast mode's GEMM: int8 activations times GGUF integer weights (Q4_0, Q4_1, Q8_0), the
+// way llama.cpp multiplies them (activation_dtype="int8"; pagedllm/quantization/int8_activations.py).
+//
+// Activations: each row of x is cut into 32-wide blocks; a block becomes 32 int8 quants
+// q = round_half_even(x * 127 / amax) in [-127, 127], its scale dx = amax / 127 (fp32), and the
+// sum of its quants sx (int32; with dx: the Q4_1 minimum's term, and the Q4_0 / Q8_0 offsets).
+// Weights: repacked once at load (pagedllm/kernels/reference.py: pack_int8_panels) into panels
+// of 16 output rows ("columns" of y); for each 32-weight block index b a panel holds a record:
+//   [dw: 16 fp32] [mw: 16 fp32, Q4_1 only] [quants]
+// quants, for each group g of 4 consecutive k (8 per block): the 16 columns' 4 bytes side by
+// side (64 bytes, column j at bytes 4j..4j+3) - the lane layout of vpdpbusd / vpmaddwd, whose
+// int32 lane j sums 4 byte products. Q4_x packs two groups in one 64-byte chunk c (0..3):
+// group c in the low nibbles, group c + 4 in the high ones; Q8_0 stores its int8 quants.
+//
+// Per output (m, n) and block b the integer dot product isum = sum_k qx[k] * q[k] is exact
+// (int32), then scaled in fp32:
+//   Q4_0: w = dw * (q - 8):  y += dx * dw * (isum - 8 * sx)
+//   Q4_1: w = dw * q + mw:   y += dx * dw * isum + mw * (dx * sx)
+//   Q8_0: w = dw * q:        y += dx * dw * isum
+// The offsets (8, and 128 for the VNNI Q8_0 trick below) are subtracted in the integer
+// accumulator, which starts each block at -offset * sx: exact, no cancellation in fp32.
+//
+// Instruction sets, chosen at compile time (-march=native):
+// - AVX512-VNNI: vpdpbusd (u8 x s8, 4 products summed into int32 lanes). Q4 nibbles are the
+//   unsigned operand as they are; Q8_0 quants are made unsigned by adding 128 (xor 0x80),
+//   whose term 128 * sx is the accumulator's start.
+// - AVX2: vpmaddubsw (u8 x s8 -> int16 pairs, saturating) then vpmaddwd by 1 (-> int32).
+//   Q4 pairs are at most 2 * 15 * 127, so the 8 groups of a block add up in int16 (<= 30480)
+//   before one vpmaddwd; Q8_0 uses |w| x sign(x, w) so a pair stays <= 2 * 128 * 127.
+// - otherwise portable scalar code over the same layout.
+// Every path computes the same int32 sums; the fp32 scaling is done in the same order, so the
+// three builds agree to a few ulps (the tests compare each with the fp64 twin).
+//
+// Work: x is quantized once per call (rows in parallel), then rows are taken in chunks that
+// stay in L2 while every thread walks its share of the panels; a panel (K/32 records, 6-18 KB
+// for K = 576-1536) stays in L1 while the chunk's rows pass over it in tiles of MR rows, each
+// tile's MR x 16 outputs in registers.
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDLLM_I8_VNNI 1
+#endif
+
+// C-API-BEGIN
+extern "C" {
+const char* int8_gemm_isa();
+void int8_quantize_rows(int8_t* q, float* d, int32_t* s, const float* x, int64_t ldx, int64_t M, int64_t K,
+                        int nthreads);
+int int8_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_t* w, int32_t ggml_type, int64_t M,
+                  int64_t N, int64_t K, int nthreads);
+}
+// C-API-END
+
+namespace {
+
+enum : int32_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
+constexpr int COLS = 16;  // output columns per panel
+constexpr int QK = 32;    // weights per block
+
+template <int32_t T> constexpr int HEADER = T == T_Q4_1 ? 128 : 64;        // dw (and mw) bytes
+template <int32_t T> constexpr int QUANT_BYTES = T == T_Q8_0 ? 512 : 256;  // 16 columns x 32 k
+template <int32_t T> constexpr int RECORD = HEADER<T> + QUANT_BYTES<T>;
+// The integer accumulator of a block starts at -OFFSET * sx (see the file comment).
+template <int32_t T> constexpr int32_t OFFSET = T == T_Q4_0 ? 8 : 0;
+
+// x quantized: q [M][K] int8, d [M][nb] fp32, s [M][nb] int32 (row m's block b at m * nb + b).
+struct QuantX {
+    const int8_t* q;
+    const float* d;
+    const int32_t* s;
+    int64_t K, nb;
+};
+
+inline float dx_times_sx(const QuantX& xq, int64_t m, int64_t b) { return xq.d[m * xq.nb + b] * float(xq.s[m * xq.nb + b]); }
+
+// One row's blocks: q = round_half_even(x * (127 / amax)), d = amax / 127. The same fp32
+// operations as reference.quantize_activations, so the quants are bit-identical to it.
+void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float* xb = x + b * QK;
+        int8_t* qb = q + b * QK;
+        float amax = 0.f;
+#ifdef PAGEDLLM_AVX2
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 mx = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absmask));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        amax = _mm_cvtss_f32(h);
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i sum = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * c), idv));  // round to even
+            sum = _mm256_add_epi32(sum, v);
+            const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + 8 * c), _mm_packs_epi16(p16, p16));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        s[b] = _mm_cvtsi128_si32(s4);
+#else
+        for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int v = int(std::nearbyint(xb[i] * id));  // the default rounding: half to even
+            qb[i] = int8_t(v);
+            sum += v;
+        }
+        s[b] = sum;
+#endif
+        d[b] = amax / 127.f;
+    }
+}
+
+// Store `cols` of a tile row's 16 outputs.
+inline void store_row(float* y, const float* v, int cols) { std::memcpy(y, v, sizeof(float) * cols); }
+
+#if defined(PAGEDLLM_I8_VNNI)
+// MR rows of x (from row m0) against one panel: y[MR][cols]. MR is a compile-time count so
+// the 2 * MR accumulators (int32 for the block, fp32 for the row) stay in registers.
+template <int32_t T, int MR>
+void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
+    __m512 acc[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    const int8_t* xr[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) xr[i] = xq.q + (m0 + i) * xq.K;
+    for (int64_t b = 0; b < xq.nb; b++) {
+        const uint8_t* rec = panel + b * RECORD<T>;
+        const uint8_t* qs = rec + HEADER<T>;
+        __m512i s[MR];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const int32_t sx = xq.s[(m0 + i) * xq.nb + b];
+            s[i] = _mm512_set1_epi32(T == T_Q8_0 ? -128 * sx : -OFFSET<T> * sx);
+        }
+        if constexpr (T == T_Q8_0) {
+            const __m512i flip = _mm512_set1_epi8(char(0x80));
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * g), flip);  // q + 128, unsigned
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    int32_t xv;
+                    std::memcpy(&xv, xr[i] + b * QK + 4 * g, 4);
+                    s[i] = _mm512_dpbusd_epi32(s[i], w, _mm512_set1_epi32(xv));
+                }
+            }
+        } else {
+            const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(qs + 64 * c);
+                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xr[i] + b * QK + 4 * c, 4);
+                    std::memcpy(&x1, xr[i] + b * QK + 4 * (c + 4), 4);
+                    s[i] = _mm512_dpbusd_epi32(s[i], lo, _mm512_set1_epi32(x0));
+                    s[i] = _mm512_dpbusd_epi32(s[i], hi, _mm512_set1_epi32(x1));
+                }
+            }
+        }
+        const __m512 dw = _mm512_loadu_ps(rec);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[i]), dw);
+            acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[(m0 + i) * xq.nb + b]), acc[i]);
+        }
+        if constexpr (T == T_Q4_1) {
+            const __m512 mw = _mm512_loadu_ps(rec + 64);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m0 + i, b)), acc[i]);
+        }
+    }
+    const __mmask16 mask = __mmask16((1u << cols) - 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
+}
+constexpr int MR_MAX = 8;
+
+#elif defined(PAGEDLLM_AVX2)
+inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// As the VNNI tile, with each panel as two 8-column halves (16 registers: MR <= 2 keeps the
+// 4 * MR accumulators, the weights and a broadcast in them).
+template <int32_t T, int MR>
+void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
+    __m256 acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < xq.nb; b++) {
+        const uint8_t* rec = panel + b * RECORD<T>;
+        const uint8_t* qs = rec + HEADER<T>;
+        __m256i s[MR][2];
+        if constexpr (T == T_Q8_0) {
+            for (int i = 0; i < MR; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * g));
+                const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * g + 32));
+                const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);  // |w|
+                for (int i = 0; i < MR; i++) {
+                    const __m256i xv = bcast4(xq.q + (m0 + i) * xq.K + b * QK + 4 * g);
+                    const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
+                    s[i][0] = _mm256_add_epi32(s[i][0], _mm256_madd_epi16(p0, ones16));
+                    s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(p1, ones16));
+                }
+            }
+        } else {
+            const __m256i low = _mm256_set1_epi8(0x0F);
+            __m256i h[MR][2];  // int16 pair sums over the block's 8 groups (<= 30480: no overflow)
+            for (int i = 0; i < MR; i++) h[i][0] = h[i][1] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                for (int half = 0; half < 2; half++) {
+                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * c + 32 * half));
+                    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int i = 0; i < MR; i++) {
+                        const int8_t* xb = xq.q + (m0 + i) * xq.K + b * QK;
+                        h[i][half] = _mm256_add_epi16(h[i][half], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
+                        h[i][half] = _mm256_add_epi16(h[i][half], _mm256_maddubs_epi16(hi, bcast4(xb + 4 * (c + 4))));
+                    }
+                }
+            }
+            for (int i = 0; i < MR; i++) {
+                const __m256i start = _mm256_set1_epi32(-OFFSET<T> * xq.s[(m0 + i) * xq.nb + b]);
+                s[i][0] = _mm256_add_epi32(start, _mm256_madd_epi16(h[i][0], ones16));
+                s[i][1] = _mm256_add_epi32(start, _mm256_madd_epi16(h[i][1], ones16));
+            }
+        }
+        const __m256 dw0 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
+        const __m256 dw1 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8);
+        for (int i = 0; i < MR; i++) {
+            const __m256 dx = _mm256_set1_ps(xq.d[(m0 + i) * xq.nb + b]);
+            acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][0]), dw0), dx, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][1]), dw1), dx, acc[i][1]);
+        }
+        if constexpr (T == T_Q4_1) {
+            const __m256 m0v = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64));
+            const __m256 m1v = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8);
+            for (int i = 0; i < MR; i++) {
+                const __m256 xs = _mm256_set1_ps(dx_times_sx(xq, m0 + i, b));
+                acc[i][0] = _mm256_fmadd_ps(m0v, xs, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(m1v, xs, acc[i][1]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        alignas(32) float row[COLS];
+        _mm256_store_ps(row, acc[i][0]);
+        _mm256_store_ps(row + 8, acc[i][1]);
+        store_row(y + i * ldy, row, cols);
+    }
+}
+constexpr int MR_MAX = 2;
+
+#else
+// Portable: the same integer sums and fp32 scaling, one row at a time.
+template <int32_t T, int MR>
+void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
+    for (int i = 0; i < MR; i++) {
+        const int64_t m = m0 + i;
+        float acc[COLS] = {};
+        for (int64_t b = 0; b < xq.nb; b++) {
+            const uint8_t* rec = panel + b * RECORD<T>;
+            const uint8_t* qs = rec + HEADER<T>;
+            const int8_t* xb = xq.q + m * xq.K + b * QK;
+            const int32_t sx = xq.s[m * xq.nb + b];
+            float dw[COLS], mw[COLS];
+            std::memcpy(dw, rec, sizeof dw);
+            if constexpr (T == T_Q4_1) std::memcpy(mw, rec + 64, sizeof mw);
+            const float dx = xq.d[m * xq.nb + b];
+            const float xs = T == T_Q4_1 ? dx_times_sx(xq, m, b) : 0.f;
+            for (int j = 0; j < COLS; j++) {
+                int32_t isum = -OFFSET<T> * sx;
+                for (int g = 0; g < 8; g++)
+                    for (int t = 0; t < 4; t++) {
+                        int q;
+                        if constexpr (T == T_Q8_0) q = int8_t(qs[64 * g + 4 * j + t]);
+                        else q = (qs[64 * (g % 4) + 4 * j + t] >> (4 * (g / 4))) & 0x0F;
+                        isum += q * xb[4 * g + t];
+                    }
+                acc[j] = std::fma(float(isum) * dw[j], dx, acc[j]);
+                if constexpr (T == T_Q4_1) acc[j] = std::fma(mw[j], xs, acc[j]);
+            }
+        }
+        store_row(y + i * ldy, acc, cols);
+    }
+}
+constexpr int MR_MAX = 4;
+#endif
+
+// Rows m0..m0+rows-1 against one panel, in tiles of MR_MAX rows (then one smaller tile).
+template <int32_t T>
+void panel_rows(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, int64_t rows, const uint8_t* panel) {
+    int64_t m = m0;
+    for (; m + MR_MAX <= m0 + rows; m += MR_MAX) tile<T, MR_MAX>(y + m * ldy, ldy, cols, xq, m, panel);
+    switch (m0 + rows - m) {
+#define PAGEDLLM_TAIL(r) \
+    case r: if constexpr (r < MR_MAX) tile<T, r>(y + m * ldy, ldy, cols, xq, m, panel); break;
+        PAGEDLLM_TAIL(1) PAGEDLLM_TAIL(2) PAGEDLLM_TAIL(3) PAGEDLLM_TAIL(4) PAGEDLLM_TAIL(5) PAGEDLLM_TAIL(6)
+        PAGEDLLM_TAIL(7)
+#undef PAGEDLLM_TAIL
+        default: break;
+    }
+}
+
+// Rows of x per pass over the panels: the chunk's quants (M_CHUNK x K bytes, <= 192 KB for
+// K = 1536) stay in L2 while the panels pass over them.
+constexpr int64_t M_CHUNK = 128;
+
+template <int32_t T>
+void gemm(float* y, int64_t ldy, const QuantX& xq, const uint8_t* w, int64_t M, int64_t N, int nthreads) {
+    const int64_t num_panels = (N + COLS - 1) / COLS;
+    const int64_t panel_bytes = xq.nb * RECORD<T>;
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int64_t rows = std::min(M_CHUNK, M - m0);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; p++) {
+            const int cols = int(std::min<int64_t>(COLS, N - p * COLS));
+            panel_rows<T>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes);
+        }
+    }
+}
+
+}  // namespace
+
+// Which integer dot-product instructions this build uses, for logs and tests.
+const char* int8_gemm_isa() {
+#if defined(PAGEDLLM_I8_VNNI)
+    return "avx512vnni";
+#elif defined(PAGEDLLM_AVX2)
+    return "avx2";
+#else
+    return "generic";
+#endif
+}
+
+// x [M, K] fp32 (row stride ldx) -> q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (see the
+// file comment). K % 32 == 0.
+void int8_quantize_rows(int8_t* q, float* d, int32_t* s, const float* x, int64_t ldx, int64_t M, int64_t K,
+                        int nthreads) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8)
+    for (int64_t m = 0; m < M; m++) quantize_row(q + m * K, d + m * nb, s + m * nb, x + m * ldx, K);
+}
+
+// y [M, N] (row stride ldy) = quantize(x) [M, K] @ W^T, W in int8 panels of `ggml_type` (Q4_0 = 2,
+// Q4_1 = 3, Q8_0 = 8; reference.pack_int8_panels). Returns 0, or -1 for another type or a K
+// that is not a multiple of 32.
+int int8_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_t* w, int32_t ggml_type, int64_t M,
+                  int64_t N, int64_t K, int nthreads) {
+    if (K % QK != 0 || (ggml_type != T_Q4_0 && ggml_type != T_Q4_1 && ggml_type != T_Q8_0)) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t nb = K / QK;
+    std::vector<int8_t> q(M * K);
+    std::vector<float> d(M * nb);
+    std::vector<int32_t> s(M * nb);
+    int8_quantize_rows(q.data(), d.data(), s.data(), x, ldx, M, K, nthreads);
+    const QuantX xq{q.data(), d.data(), s.data(), K, nb};
+    if (ggml_type == T_Q4_0) gemm<T_Q4_0>(y, ldy, xq, w, M, N, nthreads);
+    else if (ggml_type == T_Q4_1) gemm<T_Q4_1>(y, ldy, xq, w, M, N, nthreads);
+    else gemm<T_Q8_0>(y, ldy, xq, w, M, N, nthreads);
+    return 0;
+}
