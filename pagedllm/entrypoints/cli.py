@@ -41,6 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=defaults["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES), help="KV-cache storage; auto = the model's dtype (exact); int8 / fp8_e4m3 keep a scale per token and head and hold ~3.8x the tokens of float32 in the same space (default: %(default)s)")
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
+    g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
