@@ -42,6 +42,8 @@ class CachedRequestState:
     eos_token_ids: frozenset[int]
     bad_words_token_ids: list[list[int]]
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    spec_backoff: int = 0  # speculative decoding: see spec_decode/proposer.py
+    spec_skip: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
@@ -283,8 +285,8 @@ class ModelRunner:
             for tok in tokens:
                 state.append(tok)
         if self.proposer is not None:
-            result.spec_token_ids = self.proposer.propose([states[i] for i in range(len(sched))],
-                                                          [bool(t) for t in result.sampled])  # fmt: skip
+            accepted = [len(t) - 1 if s.spec_token_ids else None for s, t in zip(sched, result.sampled)]
+            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted)
         return result
 
     def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:

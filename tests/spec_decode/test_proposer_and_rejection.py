@@ -36,15 +36,34 @@ class _State:
         self.token_ids = ids
         self.sampling_params = SamplingParams(**params)
         self.bad_words_token_ids = []
+        self.spec_backoff = self.spec_skip = 0
 
 
 def test_proposer_skips_big_batches_and_params_it_cannot_verify_exactly():
     proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
     rep = [1, 2, 3, 1, 2]
     states = [_State(rep), _State(rep, presence_penalty=0.5), _State(rep, min_tokens=3), _State(rep)]
-    assert proposer.propose(states[:3], [True, True, True]) == [[3, 1], [], []]
-    assert proposer.propose(states[:1], [False]) == [[]]  # mid-prompt: no token was drawn
-    assert proposer.propose(states, [True] * 4) == [[]] * 4  # 4 >= disable_by_batch_size
+    assert proposer.propose(states[:3], [True, True, True], [None] * 3) == [[3, 1], [], []]
+    assert proposer.propose(states[:1], [False], [None]) == [[]]  # mid-prompt: no token was drawn
+    assert proposer.propose(states, [True] * 4, [None] * 4) == [[]] * 4  # 4 >= disable_by_batch_size
+
+
+def test_a_wholly_rejected_draft_backs_off_exponentially_and_an_accepted_one_resets():
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2))
+    s = _State([1, 2, 3, 1, 2])
+
+    def wait_after(accepted: int) -> int:
+        """Steps without a draft after a verified draft that accepted ``accepted`` tokens."""
+        waited = 0
+        drafted = proposer.propose([s], [True], [accepted])[0]
+        while not drafted:
+            waited += 1
+            drafted = proposer.propose([s], [True], [None])[0]
+        return waited
+
+    assert proposer.propose([s], [True], [None])[0] == [3, 1]
+    assert [wait_after(0) for _ in range(7)] == [0, 1, 2, 4, 8, 16, 16]
+    assert wait_after(1) == 0 and wait_after(0) == 0 and wait_after(0) == 1  # reset, then again from the start
 
 
 VOCAB = 8
