@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,6 +80,59 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+# Speculative decoding: vLLM's ``speculative_config`` shape (the work is in spec_decode/).
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # n-gram (prompt lookup): match the last n tokens, n from max down to min, in the request's
+    # own prompt + output; the tokens that followed the latest earlier match are the draft.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # No drafts while this many requests or more run: a big batch is compute-bound already,
+    # verifying k extra tokens per request would cost more than it saves (vLLM's name).
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most 16, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+        """From a dict, a JSON string (the CLI's) or an instance; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. ``None`` means "derive it when the engine starts"
@@ -107,6 +162,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 4.0  # GiB of secondary KV pool, used with preemption_mode="swap"
     swap_path: str | None = None  # back the swap pool with this memory-mapped file instead of RAM
+    # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 3, ...}
+    # (a dict, a JSON string or a SpeculativeConfig; spec_decode/config.py). None = off.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -137,6 +195,7 @@ class EngineConfig:
             raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {self.activation_dtype!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -67,6 +67,8 @@ class Request:
     num_prompt_tokens_run: int = 0  # high-water mark, so recomputation is not counted twice
     # Token ids of each of ``sampling_params.bad_words`` (tokenized when the request is added).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Draft tokens (speculative decoding) for the next step to verify; never in all_token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)

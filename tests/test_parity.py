@@ -3,7 +3,8 @@
 Ten diverse prompts (raw and chat-formatted, 1 to ~1,500 tokens) in ONE ``generate`` call
 must give exactly transformers' tokens (batch 1, no padding) - also with few sequences per
 step, bigger blocks, a 32-token step budget (chunked prefill) with a KV pool so small that
-requests get preempted and recomputed, prefix caching off, and a second, warm-cache run.
+requests get preempted and recomputed, prefix caching off, and a second, warm-cache run; two
+of these with speculative decoding (n-gram drafts) on.
 """
 
 from __future__ import annotations
@@ -90,10 +91,13 @@ def oracle(prompts):
 
 CONFIGS = {
     "default+warm-rerun": dict(),  # prefix caching and chunked prefill are on by default
-    "max_num_seqs=3": dict(max_num_seqs=3),
+    # Speculative decoding (n-gram drafts, verified in the same batch) changes speed, never tokens.
+    "max_num_seqs=3+ngram-spec": dict(max_num_seqs=3, speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
     "block_size=32": dict(block_size=32),
     "no-prefix-caching": dict(enable_prefix_caching=False),
-    "tiny-pool-preemption-chunk32": dict(num_kv_blocks=130, max_num_batched_tokens=32),
+    "tiny-pool-preemption-chunk32+ngram-spec": dict(
+        num_kv_blocks=130, max_num_batched_tokens=32, speculative_config={"method": "ngram", "disable_by_batch_size": 16}
+    ),
     "tiny-pool-preemption-swap": dict(
         num_kv_blocks=130, max_num_batched_tokens=512, preemption_mode="swap", swap_space=0.5, enable_prefix_caching=False
     ),
@@ -121,6 +125,8 @@ def test_greedy_parity_with_transformers(config, prompts, oracle):
     if config.startswith("tiny-pool-preemption"):
         assert llm.llm_engine.num_preemptions_total > 0
         assert any(o.num_preemptions > 0 for o in outs)
+    if "spec" in config:
+        assert llm.llm_engine.stats.spec_total.num_accepted_tokens > 0
     if config.endswith("swap"):
         assert kv.num_swap_outs > 0
     if config == "default+warm-rerun":

@@ -1,7 +1,9 @@
 """Single-stream latency: ``pagedllm bench latency`` (W2: one 128-token prompt, 128 new tokens).
 
-Each iteration streams one request through the engine and records the time to the first
-token and the time between later tokens; prints mean / median / p99 over the iterations.
+Each iteration streams one request (or, with ``--text-prompts``, each text prompt in turn)
+through the engine and records the time to the first token and the time between later tokens;
+prints mean / median / p99 over the iterations. With ``--speculative-config``, the same run
+first measures the plain engine and reports the speed-up and the drafts' acceptance.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ import statistics
 import time
 
 from pagedllm.bench.common import add_workload_args, report, workload_from_args
+from pagedllm.bench.workloads import TEXT_PROMPTS
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, default="W2")
     p.add_argument("--num-iters", type=int, default=5, help="timed iterations (after one warm-up)")
+    p.add_argument("--text-prompts", choices=sorted(TEXT_PROMPTS), default=None,
+                   help="instead of the workload's token ids: these chat prompts, answers ending at EOS (at most --output-len)")
+    p.add_argument("--no-compare-plain", dest="compare_plain", action="store_false",
+                   help="with --speculative-config: do not also measure the plain engine first")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -23,12 +30,12 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def _one(engine, prompt: list[int], n: int, request_id: str) -> tuple[float, list[float]]:
+def _one(engine, prompt: list[int], n: int, request_id: str, ignore_eos: bool = True) -> tuple[float, list[float]]:
     from pagedllm import SamplingParams
     from pagedllm.engine.output_processor import RequestOutputKind
 
     start = time.perf_counter()
-    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos),
                        request_id, RequestOutputKind.DELTA)  # fmt: skip
     stamps: list[float] = []
     while engine.has_unfinished_requests():
@@ -39,21 +46,30 @@ def _one(engine, prompt: list[int], n: int, request_id: str) -> tuple[float, lis
     return ttft, gaps
 
 
-def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    """TTFT and ms per output token of one engine over the iterations (prompts one at a time)."""
     from pagedllm import LLM
 
     w = workload_from_args(args)
     llm = LLM(**engine_kwargs)
-    prompt = w.prompts()[0]
-    _one(llm.llm_engine, prompt, 8, "warmup")
-    ttfts, per_token = [], []
+    if args.text_prompts:
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
+                                           return_dict=False) for t in TEXT_PROMPTS[args.text_prompts]]  # fmt: skip
+    else:
+        prompts = w.prompts()[:1]
+    _one(llm.llm_engine, prompts[0], 8, "warmup")
+    ttfts, per_token, num_tokens = [], [], 0
     for i in range(args.num_iters):
-        llm.reset_prefix_cache()  # every iteration prefills the whole prompt, as a new one would
-        ttft, gaps = _one(llm.llm_engine, prompt, w.output_len, f"it{i}")
-        ttfts.append(ttft)
-        per_token.append(statistics.mean(gaps))
-    result = {
-        "workload": w.name,
+        for j, prompt in enumerate(prompts):
+            llm.reset_prefix_cache()  # every iteration prefills the whole prompt, as a new one would
+            ttft, gaps = _one(llm.llm_engine, prompt, w.output_len, f"it{i}.{j}", ignore_eos=not args.text_prompts)
+            ttfts.append(ttft)
+            if gaps:
+                per_token.append(statistics.mean(gaps))
+            num_tokens += len(gaps) + 1
+    spec = llm.llm_engine.stats.spec_total
+    return {
         "dtype": str(llm.llm_engine.config.torch_dtype).removeprefix("torch."),
         "activation_dtype": llm.llm_engine.config.activation_dtype,
         "ttft_ms": {"mean": 1e3 * statistics.mean(ttfts), "median": 1e3 * statistics.median(ttfts), "p99": 1e3 * _percentile(ttfts, 99)},
@@ -62,11 +78,42 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
             "median": 1e3 * statistics.median(per_token),
             "p99": 1e3 * _percentile(per_token, 99),
         },
-    }
-    t, m = result["ttft_ms"], result["ms_per_output_token"]
+        "output_tokens": num_tokens,
+        "spec_decode": None if not spec.num_drafts else {
+            "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens,
+            "mean_acceptance_length": 1 + spec.num_accepted_tokens / spec.num_drafts,
+        },
+    }  # fmt: skip
+
+
+def _line(name: str, r: dict, iters: int) -> str:
+    t, m = r["ttft_ms"], r["ms_per_output_token"]
     line = (
-        f"Latency ({w.name}, {result['dtype']}, {args.num_iters} iterations): TTFT mean {t['mean']:.1f} / median "
+        f"Latency ({name}, {r['dtype']}, {iters} iterations): TTFT mean {t['mean']:.1f} / median "
         f"{t['median']:.1f} / p99 {t['p99']:.1f} ms; per output token mean {m['mean']:.2f} / median "
         f"{m['median']:.2f} / p99 {m['p99']:.2f} ms"
     )
-    return report(result, line, args.save_result)
+    if r["spec_decode"]:
+        s = r["spec_decode"]
+        line += f"; drafts accepted {100 * s['acceptance_rate']:.1f}%, mean acceptance length {s['mean_acceptance_length']:.2f}"
+    return line
+
+
+def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    name = args.text_prompts or workload_from_args(args).name
+    spec = engine_kwargs.get("speculative_config")
+    result = {"workload": name, "speculative_config": spec}
+    lines = []
+    if spec and args.compare_plain:
+        plain = _measure(args, {**engine_kwargs, "speculative_config": None})
+        result["plain"] = plain
+        lines.append(_line(f"{name}, plain", plain, args.num_iters))
+    result.update(_measure(args, engine_kwargs))
+    lines.append(_line(f"{name}, speculative" if spec else name, result, args.num_iters))
+    if "plain" in result:
+        speedup = result["plain"]["ms_per_output_token"]["mean"] / result["ms_per_output_token"]["mean"]
+        result["speedup_per_output_token"] = speedup
+        lines.append(f"speculative / plain: {speedup:.2f}x faster per output token")
+    return report(result, "\n".join(lines), args.save_result)

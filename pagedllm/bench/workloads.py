@@ -25,3 +25,32 @@ WORKLOADS = {
     "W2": Workload("W2", seed=1, num_prompts=1, input_len=128, output_len=128),
     "W3": Workload("W3", seed=0, num_prompts=256, input_len=256, output_len=128),
 }
+
+
+# Text prompts (sent through the chat template, answers end at EOS) for speculative decoding,
+# whose gain depends on what is written: "chat" asks for the model's own answers, "edit" for
+# answers that copy most of the prompt (where n-gram drafts shine).
+TEXT_PROMPTS = {
+    "chat": [
+        "What are three good habits for staying healthy?",
+        "Explain what a hash table is in simple terms.",
+        "Write a short poem about the moon.",
+        "How do I make a cup of tea?",
+        "Give me a list of five fruits and their colors.",
+        "What is the difference between weather and climate?",
+        "Write a Python function that checks whether a number is prime.",
+        "Summarize the plot of Romeo and Juliet in a few sentences.",
+    ],
+    "edit": [
+        "Correct the spelling mistakes and return the whole text: The qick brown fox jumpd over the lazy dog. "
+        "It ran accross the feild and into the forrest, where it found a small strem of clear water.",
+        "Rewrite this list in alphabetical order: banana, apple, cherry, mango, kiwi, grape, orange, lemon, peach, pear.",
+        "Fix the grammar and return the full paragraph: She go to the market every mornings. She buy apples and "
+        "bread, and then she walk home slowly because the bag are heavy.",
+        "Repeat this code exactly, adding a docstring to the function:\ndef area(width, height):\n"
+        "    result = width * height\n    return result",
+        "Change every 'cat' to 'dog' in this text and return it: The cat sat by the window. The cat watched the "
+        "birds. When the cat got hungry, the cat walked to the kitchen.",
+        "Convert this sentence to uppercase: the meeting starts at nine o'clock in the main hall on the second floor.",
+    ],
+}

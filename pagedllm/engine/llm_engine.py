@@ -21,7 +21,7 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
 from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_model
 from pagedllm.request import Request, RequestStatus
-from pagedllm.engine.stats import StatsLogger, StepStats
+from pagedllm.engine.stats import StatsLogger, StepStats, spec_stats
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
@@ -72,6 +72,7 @@ class LLMEngine:
                 num_swap_blocks=sizes.num_swap_blocks,
                 swap_path=config.swap_path,
                 kv_cache_dtype=config.kv_cache_dtype,
+                speculative_config=config.speculative_config,
             )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
@@ -221,7 +222,8 @@ class LLMEngine:
                 prompt_tokens += end - max(s.num_computed_tokens, req.num_prompt_tokens_run)
                 req.num_prompt_tokens_run = end
         self.output_processor.record_logprobs(scheduled, result)
-        finished = self.scheduler.update_from_output(sched_out, result.sampled)
+        spec = spec_stats(sched_out, result.sampled)
+        finished = self.scheduler.update_from_output(sched_out, result.sampled, result.spec_token_ids)
         for req, tokens in zip(scheduled, result.sampled):
             if not tokens or req.status is RequestStatus.FINISHED_ERROR:  # a sibling's fault ended it
                 continue
@@ -260,6 +262,7 @@ class LLMEngine:
             num_prefix_queries=sched_out.num_prefix_queries,
             num_prefix_hits=sched_out.num_prefix_hits,
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
+            spec=spec,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
@@ -302,7 +305,7 @@ class LLMEngine:
             logger.warning("engine step failed (%s: %s); isolating the request(s) it fails for",
                            type(first_error).__name__, first_error)
             cause = first_error
-        results: dict[int, tuple[list[int], list]] = {}  # scheduled index -> (sampled, logprobs)
+        results: dict[int, tuple[list[int], list, list[int]]] = {}  # scheduled index -> (sampled, logprobs, drafts)
         prompt_lps: dict[str, list] = {}
         failed: dict[int, BaseException] = {}
 
@@ -319,8 +322,9 @@ class LLMEngine:
                 run(indices[:mid])
                 run(indices[mid:])
                 return
-            for i, sampled, lps in zip(indices, res.sampled, res.logprobs):
-                results[i] = (sampled, lps)
+            drafts = res.spec_token_ids or [[] for _ in indices]
+            for i, sampled, lps, d in zip(indices, res.sampled, res.logprobs, drafts):
+                results[i] = (sampled, lps, d)
             prompt_lps.update(res.prompt_logprobs)
 
         run(list(range(len(out.scheduled))))
@@ -341,6 +345,7 @@ class LLMEngine:
             sampled=[results[i][0] for i in keep],
             logprobs=[results[i][1] for i in keep],
             prompt_logprobs=prompt_lps,
+            spec_token_ids=[results[i][2] for i in keep],
         )
 
     @property

@@ -7,9 +7,43 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pagedllm.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("pagedllm.engine")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding of one step (or summed): vLLM's spec_decode counters."""
+
+    num_drafts: int = 0  # requests that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts whose position j was accepted
+
+    def add(self, other: "SpecDecodeStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        if len(other.accepted_per_pos) > len(self.accepted_per_pos):
+            self.accepted_per_pos += [0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos))
+        for j, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[j] += n
+
+
+def spec_stats(out: SchedulerOutput, sampled: list[list[int]]) -> SpecDecodeStats | None:
+    """What the step's drafts gave: a draft of k tokens with a accepted emits a + 1 tokens."""
+    stats = None
+    for s, tokens in zip(out.scheduled, sampled):
+        k = len(s.spec_token_ids)
+        if not k or not tokens:
+            continue
+        stats = stats or SpecDecodeStats()
+        accepted = len(tokens) - 1
+        stats.add(SpecDecodeStats(1, k, accepted, [1] * accepted))
+    return stats
 
 
 @dataclass
@@ -25,6 +59,7 @@ class StepStats:
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
     num_uncacheable_tokens: int = 0
+    spec: SpecDecodeStats | None = None  # None: no drafts verified this step
 
 
 class StatsLogger:
@@ -38,6 +73,7 @@ class StatsLogger:
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
+        self.spec_total = SpecDecodeStats()
 
     def _reset(self, now: float) -> None:
         self._last_log = now
@@ -45,6 +81,7 @@ class StatsLogger:
         self._generation_tokens = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._spec = SpecDecodeStats()
 
     def record(self, stats: StepStats) -> None:
         self._prompt_tokens += stats.num_prompt_tokens
@@ -56,6 +93,9 @@ class StatsLogger:
         self._prefix_hits += stats.num_prefix_hits
         self.prefix_queries_total += stats.num_prefix_queries
         self.prefix_hits_total += stats.num_prefix_hits
+        if stats.spec is not None:
+            self._spec.add(stats.spec)
+            self.spec_total.add(stats.spec)
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed >= self.interval:
@@ -71,4 +111,15 @@ class StatsLogger:
                 100 * self._prefix_hits / max(1, self._prefix_queries),
                 self.num_preemptions_total,
             )
+            spec = self._spec
+            if spec.num_drafts:
+                logger.info(
+                    "SpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
+                    "Accepted: %d tokens, Drafted: %d tokens, Per-position acceptance rate: %s",
+                    100 * spec.num_accepted_tokens / max(1, spec.num_draft_tokens),
+                    1 + spec.num_accepted_tokens / spec.num_drafts,
+                    spec.num_accepted_tokens,
+                    spec.num_draft_tokens,
+                    ", ".join(f"{n / spec.num_drafts:.3f}" for n in spec.accepted_per_pos),
+                )
             self._reset(now)

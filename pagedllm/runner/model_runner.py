@@ -25,6 +25,9 @@ from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.proposer import Proposer, make_proposer
+from pagedllm.spec_decode.rejection import verify_drafts
 from pagedllm.scheduler.output import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
@@ -39,6 +42,8 @@ class CachedRequestState:
     eos_token_ids: frozenset[int]
     bad_words_token_ids: list[list[int]]
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    spec_backoff: int = 0  # speculative decoding: see spec_decode/proposer.py
+    spec_skip: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
@@ -80,6 +85,7 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         swap_path: str | None = None,
         kv_cache_dtype: str = "auto",
+        speculative_config: SpeculativeConfig | None = None,
     ):
         self.model = model
         self.arch = model.arch
@@ -105,6 +111,7 @@ class ModelRunner:
             np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64) for _ in self.layout.groups
         ]
         self.sampler = Sampler(seed, self.device)
+        self.proposer: Proposer | None = make_proposer(speculative_config)
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
@@ -210,7 +217,9 @@ class ModelRunner:
         tokens: list[int] = []
         for i in order:
             s = sched[i]
-            tokens.extend(states[i].token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+            known = s.num_new_tokens - len(s.spec_token_ids)
+            tokens.extend(states[i].token_ids[s.num_computed_tokens : s.num_computed_tokens + known])
+            tokens.extend(s.spec_token_ids)
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
@@ -253,19 +262,31 @@ class ModelRunner:
 
         result = ModelRunnerOutput(req_ids=[s.req_id for s in sched], sampled=[[] for _ in sched], logprobs=[[] for _ in sched])
         self._prompt_logprobs(sched, states, order, query_start_loc, hidden, result)
-        # One sampling row per request due a token: its chunk's last position.
+        # Sampling rows of a request due a token: its chunk's last known position, then one per draft.
         rows = [(row, i) for row, i in enumerate(order) if sched[i].samples]
         if not rows:
             return result
-        row_hidden = torch.tensor([int(query_start_loc[row + 1]) - 1 for row, _ in rows], device=dev)
+        drafts = [sched[i].spec_token_ids for _, i in rows]
+        row_hidden = torch.tensor(
+            [int(query_start_loc[row + 1]) - 1 - len(d) + j for (row, _), d in zip(rows, drafts) for j in range(len(d) + 1)],
+            device=dev,
+        )
         logits = self.model.compute_logits(hidden[row_hidden])
-        sampled = self.sampler(logits, self._sampling_batch([states[i] for _, i in rows], out.grammar))
-        for (_, i), tok, lp in zip(rows, sampled.token_ids, sampled.logprobs):
-            result.sampled[i].append(int(tok))
-            result.logprobs[i].append(lp)
+        if any(drafts):
+            row_states = [states[i] for (_, i), d in zip(rows, drafts) for _ in range(len(d) + 1)]
+            drawn, logprobs = verify_drafts(self.sampler, logits, self._sampling_batch(row_states, out.grammar), drafts)
+        else:
+            sampled = self.sampler(logits, self._sampling_batch([states[i] for _, i in rows], out.grammar))
+            drawn, logprobs = [[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs]
+        for (_, i), toks, lps in zip(rows, drawn, logprobs):
+            result.sampled[i].extend(toks)
+            result.logprobs[i].extend(lps)
         for state, tokens in zip(states, result.sampled):  # all went well: remember the draws
             for tok in tokens:
                 state.append(tok)
+        if self.proposer is not None:
+            accepted = [len(t) - 1 if s.spec_token_ids else None for s, t in zip(sched, result.sampled)]
+            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted)
         return result
 
     def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:

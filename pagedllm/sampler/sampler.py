@@ -151,6 +151,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] fp32 -> one token (and optional logprobs) per row."""
+        raw_logprobs, masked = self.prepare(logits, batch)
+        tokens = masked.argmax(dim=-1)
+        if not batch.all_greedy:
+            is_greedy = batch.temperatures.to(logits.device) == 0
+            probs = self.probs(masked, batch)
+            noise = self._noise(probs, batch.generators)
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(is_greedy, tokens, sampled)
+
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(token_list))
+        return SamplerOutput(token_list, gather_logprobs(raw_logprobs, tokens, batch.num_logprobs))
+
+    def prepare(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(raw log-probabilities if any row asks for them, the logits after every mask, ban,
+        bias, penalty and grammar): greedy rows take the argmax of the latter."""
         want_logprobs = any(k is not None for k in batch.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
 
@@ -172,22 +189,15 @@ class Sampler:
             apply_penalties(logits, batch)
         if batch.bitmask_rows:
             apply_grammar(logits, raw, batch)
+        return raw_logprobs, logits
 
-        tokens = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            temps = batch.temperatures.to(logits.device)
-            is_greedy = temps == 0
-            scaled = logits / torch.where(is_greedy, 1.0, temps)[:, None]
-            scaled = apply_top_k_top_p_min_p(scaled, batch)
-            probs = scaled.softmax(dim=-1)
-            noise = self._noise(probs, batch.generators)
-            sampled = (probs / noise).argmax(dim=-1)
-            tokens = torch.where(is_greedy, tokens, sampled)
-
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return SamplerOutput(token_list, [None] * len(token_list))
-        return SamplerOutput(token_list, gather_logprobs(raw_logprobs, tokens, batch.num_logprobs))
+    @staticmethod
+    def probs(masked: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each sampling row draws from: temperature, then min-p, top-k and
+        top-p (greedy rows are left at temperature 1; their argmax is taken elsewhere)."""
+        temps = batch.temperatures.to(masked.device)
+        scaled = masked / torch.where(temps == 0, 1.0, temps)[:, None]
+        return apply_top_k_top_p_min_p(scaled, batch).softmax(dim=-1)
 
     def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty_like(probs)

@@ -40,6 +40,8 @@ class ScheduledRequest:
     new: NewRequestData | None = None  # set when the runner must (re)learn the request
     # The tables of KV-cache groups 1.. (models with sliding-window layers; kv_cache/groups.py).
     group_block_ids: tuple[list[int], ...] = ()
+    # Draft tokens run after the known ones (counted in num_new_tokens), verified by the runner.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,9 +87,11 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Per scheduled request (in ``SchedulerOutput.scheduled`` order): the tokens drawn (none
-    mid-prompt, else one) and their log-probabilities; prompt log-probabilities by request."""
+    mid-prompt, else one, or with drafts the accepted ones plus one) and their log-probabilities;
+    prompt log-probabilities by request; draft tokens proposed for the next step."""
 
     req_ids: list[str]
     sampled: list[list[int]]
     logprobs: list[list]  # per request: a RowLogprobs (or None) per drawn token
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)  # (first position, entries)
+    spec_token_ids: list[list[int]] = field(default_factory=list)  # empty, or one list per request

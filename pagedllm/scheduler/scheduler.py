@@ -108,14 +108,15 @@ class Scheduler:
             if req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):  # a victim earlier in this loop
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
+            spec = self._spec_tokens(req, n, budget - n)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n + len(spec)):
                 victim = pick_victim(self.running, policy)
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(self._scheduled(req, n))
-                budget -= n
+                out.scheduled.append(self._scheduled(req, n, spec=spec))
+                budget -= n + len(spec)
 
         # 2. Waiting requests; under fcfs not in a step that had to preempt for blocks.
         while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs"):
@@ -218,9 +219,18 @@ class Scheduler:
             return None
         return self._preempt(victim, out)
 
-    def _scheduled(self, req: Request, n: int, new: bool = False) -> ScheduledRequest:
+    def _spec_tokens(self, req: Request, n: int, budget: int) -> list[int]:
+        """The draft tokens to verify after ``req``'s last known token this step: only when the
+        chunk reaches that token, within the budget, the model length and max_tokens."""
+        if not req.spec_token_ids or req.num_computed_tokens + n != req.num_tokens:
+            return []
+        room = min(budget, self.config.max_model_len - req.num_tokens, req.max_tokens - len(req.output_token_ids) - 1)
+        return req.spec_token_ids[: max(0, room)]
+
+    def _scheduled(self, req: Request, n: int, new: bool = False, spec: list[int] | None = None) -> ScheduledRequest:
         """The step's plain-data entry for ``req``; ``new`` when it was just admitted (fresh or
-        resumed), so the runner gets everything it needs to know about it."""
+        resumed), so the runner gets everything it needs to know about it. ``spec``: draft
+        tokens run after the ``n`` known ones."""
         data = None
         if new:
             data = NewRequestData(
@@ -233,7 +243,8 @@ class Scheduler:
             )
         samples = req.num_computed_tokens + n == req.num_tokens
         block_ids, *other_groups = self.kv.get_group_block_ids(req.request_id)
-        return ScheduledRequest(req.request_id, n, req.num_computed_tokens, block_ids, samples, data, tuple(other_groups))
+        return ScheduledRequest(req.request_id, n + len(spec or ()), req.num_computed_tokens, block_ids, samples, data,
+                                tuple(other_groups), list(spec or ()))  # fmt: skip
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Free a running request's blocks and requeue it; returns the budget it gave back."""
@@ -259,17 +270,25 @@ class Scheduler:
         return refund
 
     # ----------------------------------------------------------------- after the forward
-    def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[list[int]], drafts: list[list[int]] | None = None
+    ) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.
 
-        ``sampled[i]`` holds the tokens drawn for ``out.scheduled[i]``: none mid-prompt, else one.
+        ``sampled[i]`` holds the tokens drawn for ``out.scheduled[i]``: none mid-prompt, else
+        one; after k draft tokens, the a accepted ones and one more. The K/V of the k - a
+        rejected drafts is not counted as computed (their slots are written again next step,
+        and blocks are registered in the prefix cache only up to verified tokens).
+        ``drafts[i]``, when given, are the request's draft tokens for the next step.
         """
         finished: list[Request] = []
         now = time.monotonic()
-        for sched, tokens in zip(out.scheduled, sampled, strict=True):
+        for i, (sched, tokens) in enumerate(zip(out.scheduled, sampled, strict=True)):
             req = self.requests[sched.req_id]
-            req.num_computed_tokens += sched.num_new_tokens
-            self.kv.cache_blocks(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            rejected = len(sched.spec_token_ids) + 1 - len(tokens) if sched.spec_token_ids else 0
+            req.num_computed_tokens += sched.num_new_tokens - rejected
+            req.spec_token_ids = drafts[i] if drafts else []
+            self.kv.cache_blocks(req.request_id, min(req.num_computed_tokens, req.num_tokens), req.all_token_ids)
             self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)  # e.g. behind a sliding window
             for token in tokens:
                 req.append_output_token(token)

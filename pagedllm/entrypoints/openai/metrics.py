@@ -61,6 +61,14 @@ class ServerMetrics:
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.queue_time = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduling.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.iteration_tokens = Histogram("pagedllm:iteration_tokens_total", "Tokens per engine step.", ["model_name"], buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)
+        # Speculative decoding (vLLM's spec_decode counters); per_pos: accepted at draft position j.
+        self.spec_drafts = Counter("pagedllm:spec_decode_num_drafts", "Draft sequences verified.", ["model_name"], registry=r).labels(**labels)
+        self.spec_draft_tokens = Counter("pagedllm:spec_decode_num_draft_tokens", "Draft tokens verified.", ["model_name"], registry=r).labels(**labels)
+        self.spec_accepted = Counter("pagedllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", ["model_name"], registry=r).labels(**labels)
+        self.spec_per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+            ["model_name", "position"], registry=r,
+        )  # fmt: skip
         self._last_token_time: dict[str, float] = {}
         engine.stat_loggers.append(self)
         async_llm.output_hooks.append(self.on_output)
@@ -74,6 +82,12 @@ class ServerMetrics:
         self.prefix_uncacheable.inc(stats.num_uncacheable_tokens)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        if stats.spec is not None:
+            self.spec_drafts.inc(stats.spec.num_drafts)
+            self.spec_draft_tokens.inc(stats.spec.num_draft_tokens)
+            self.spec_accepted.inc(stats.spec.num_accepted_tokens)
+            for j, n in enumerate(stats.spec.accepted_per_pos):
+                self.spec_per_pos.labels(position=str(j), **self.labels).inc(n)
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()

@@ -1,0 +1,67 @@
+"""Which requests get drafts, and from which proposer (the runner's one seam for drafting)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.ngram import NgramProposer
+
+
+class _State(Protocol):
+    sampling_params: SamplingParams
+    token_ids: list[int]
+    bad_words_token_ids: list[list[int]]
+    spec_backoff: int  # steps to wait after the next wholly rejected draft (0: none yet)
+    spec_skip: int  # steps left without drafts
+
+
+def can_speculate(params: SamplingParams, bad_words: list[list[int]]) -> bool:
+    """Whether drafts are verified exactly for these params. Penalties, bans before min_tokens,
+    bad words and grammars change a position's distribution with the tokens before it, which
+    verify_drafts does not model: such requests decode one token at a time."""
+    return not (params.needs_penalties or params.min_tokens > 0 or bad_words or params.structured_outputs is not None)
+
+
+MAX_BACKOFF = 16
+
+
+class Proposer:
+    """Drafts for the step's requests that just sampled, unless the batch is too big to gain.
+
+    A wholly rejected draft costs a step k extra rows for nothing, so a request whose draft
+    was all rejected waits 1, 2, 4, ... (at most 16) steps before its next draft; any accepted
+    token resets the wait. On text that never repeats, drafting then all but stops."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, states: list[_State], sampled: list[bool], accepted: list[int | None]) -> list[list[int]]:
+        """``accepted[i]``: how many of state i's draft tokens this step accepted (None: it had none)."""
+        for s, a in zip(states, accepted):
+            if a is None:
+                continue
+            if a == 0:
+                s.spec_skip, s.spec_backoff = s.spec_backoff, min(MAX_BACKOFF, 2 * s.spec_backoff or 1)
+            else:
+                s.spec_skip = s.spec_backoff = 0
+        if len(states) >= self.config.disable_by_batch_size:
+            return [[] for _ in states]
+        wanted = []
+        for i, (s, did) in enumerate(zip(states, sampled)):
+            if not did or not can_speculate(s.sampling_params, s.bad_words_token_ids):
+                continue
+            if s.spec_skip > 0:
+                s.spec_skip -= 1
+                continue
+            wanted.append(i)
+        drafts: list[list[int]] = [[] for _ in states]
+        for i, d in zip(wanted, self._ngram.propose([states[i].token_ids for i in wanted])):
+            drafts[i] = d
+        return drafts
+
+
+def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    return None if config is None else Proposer(config)

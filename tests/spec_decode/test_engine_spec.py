@@ -1,0 +1,108 @@
+"""Speculative decoding end to end on a tiny random model with the real tokenizer: drafts are
+just more tokens of the flattened batch, and they change speed, never answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _prompts(tok) -> list[list[int]]:
+    """Texts that repeat themselves (drafts get accepted) and ones that do not."""
+    texts = [
+        "one two three four five one two three four five one two three",
+        "The cat sat on the mat. The cat sat on the mat. The cat",
+        "Hello, my name is",
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+        "A B C D A B C D A B",
+        "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20" * 3,
+    ]
+    return [tok.encode(t) for t in texts]
+
+
+def _run(path, prompts, params, **kwargs):
+    llm = LLM(str(path), dtype="float32", log_stats_interval=1e9, **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    kv = llm.llm_engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks  # every block back, drafts' included
+    kv.check_integrity()
+    return llm, outs
+
+
+CONFIGS = {
+    "default": dict(num_kv_blocks=256),
+    "chunked-prefill-tiny-pool-preemption": dict(num_kv_blocks=20, max_num_batched_tokens=24),
+    "swap-preemption": dict(num_kv_blocks=20, max_num_batched_tokens=64, preemption_mode="swap", swap_space=0.01),
+    "block_size=4-no-prefix-caching": dict(num_kv_blocks=200, block_size=4, enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_drafts_give_the_tokens_of_plain_decoding(tiny_llama_tok, default_tokenizer, config):
+    prompts = _prompts(default_tokenizer)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)] * len(prompts)
+    params[2] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5)  # no drafts
+    kwargs = CONFIGS[config]
+    _, plain = _run(tiny_llama_tok, prompts, params, **kwargs)
+    llm, spec = _run(tiny_llama_tok, prompts, params, speculative_config=SPEC, **kwargs)
+    for a, b in zip(plain, spec):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        if a.outputs[0].logprobs is not None:  # each token's logprob from its own row
+            got = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+            want = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+            assert got == pytest.approx(want, abs=1e-4)
+    stats = llm.llm_engine.stats.spec_total
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    if "preemption" in config:
+        assert llm.llm_engine.num_preemptions_total > 0
+    if config == "default":  # warm prefix cache: the same answers again
+        warm = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in plain]
+        assert sum(o.num_cached_tokens for o in warm) > 0
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_and_respects_max_tokens(tiny_llama_tok, default_tokenizer):
+    prompts = _prompts(default_tokenizer)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=23, ignore_eos=True, n=2)
+    spec = SPEC | {"disable_by_batch_size": 64}  # 12 sequences
+    _, first = _run(tiny_llama_tok, prompts, params, num_kv_blocks=256, speculative_config=spec)
+    llm, again = _run(tiny_llama_tok, prompts, params, num_kv_blocks=256, speculative_config=spec)
+    assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in again]
+    assert all(len(c.token_ids) == 23 for o in first for c in o.outputs)
+    assert llm.llm_engine.stats.spec_total.num_drafts > 0
+
+
+def test_bad_speculative_config_is_a_value_error(tiny_llama_tok):
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        LLM(str(tiny_llama_tok), speculative_config={"method": "medusa-x"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(str(tiny_llama_tok), speculative_config='{"num_speculative_tokens": -1}')
+
+
+def test_server_streams_drafted_tokens_and_counts_them(tiny_llama_tok):
+    import json
+
+    import openai
+
+    from tests.entrypoints.server_utils import ServerProcess
+
+    args = ["--model", str(tiny_llama_tok), "--dtype", "float32", "--num-kv-blocks", "200", "--max-model-len", "512"]
+    srv = ServerProcess([*args, "--speculative-config", json.dumps(SPEC)])
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        body = dict(model=str(tiny_llama_tok), prompt="A B C D A B C D A B", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+        whole = c.completions.create(**body)
+        chunks = list(c.completions.create(**body, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+        drafts, drafted = srv.metric("pagedllm:spec_decode_num_drafts_total"), srv.metric("pagedllm:spec_decode_num_draft_tokens_total")
+        accepted = srv.metric("pagedllm:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and 0 < accepted <= drafted
+        assert srv.metric("pagedllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+        assert srv.metric("pagedllm:generation_tokens_total") == 2 * whole.usage.completion_tokens == 60
+    finally:
+        assert srv.stop() == 0
+    with pytest.raises(RuntimeError, match="speculative_config"):
+        ServerProcess([*args, "--speculative-config", '{"method": "nope"}'], timeout=60)

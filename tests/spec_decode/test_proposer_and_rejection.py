@@ -1,0 +1,121 @@
+"""Speculative decoding's parts alone: n-gram drafting, and verification keeping the target's
+distribution exactly (chi-square, as the sampler's own tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.sampler.sampler import Sampler, SamplingBatch
+from pagedllm.spec_decode.ngram import propose_ngram
+from pagedllm.spec_decode.proposer import Proposer
+
+
+def ngram(ids, k=3, n_min=1, n_max=3):
+    return propose_ngram(np.array(ids, dtype=np.int64), k, n_min, n_max)
+
+
+def test_ngram_drafts_what_followed_the_latest_match_of_the_longest_suffix():
+    assert ngram([5, 6, 7, 8, 9, 5, 6, 7]) == [8, 9, 5]  # suffix [5, 6, 7] seen at 0
+    assert ngram([1, 2, 3, 1, 2, 4, 9, 1, 2], k=2) == [4, 9]  # latest [1, 2] wins over the first
+    assert ngram([1, 2, 3, 9, 2, 3, 7, 5, 2, 3]) == [7, 5, 2]  # [2, 3] at 4 (latest), not at 1
+    assert ngram([4, 1, 4, 2, 3, 1, 4], n_max=2) == [2, 3, 1]  # n=2: [1, 4] at 1
+    assert ngram([1, 2, 3, 4]) == []  # nothing repeats
+    assert ngram([7, 7]) == [7]  # what follows runs to the end of the sequence
+    assert ngram([3, 1, 2, 3], n_min=2) == []  # only a 1-token match, below n_min
+    assert ngram([9]) == []
+
+
+class _State:
+    def __init__(self, ids, **params):
+        from pagedllm.sampling_params import SamplingParams
+
+        self.token_ids = ids
+        self.sampling_params = SamplingParams(**params)
+        self.bad_words_token_ids = []
+        self.spec_backoff = self.spec_skip = 0
+
+
+def test_proposer_skips_big_batches_and_params_it_cannot_verify_exactly():
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
+    rep = [1, 2, 3, 1, 2]
+    states = [_State(rep), _State(rep, presence_penalty=0.5), _State(rep, min_tokens=3), _State(rep)]
+    assert proposer.propose(states[:3], [True, True, True], [None] * 3) == [[3, 1], [], []]
+    assert proposer.propose(states[:1], [False], [None]) == [[]]  # mid-prompt: no token was drawn
+    assert proposer.propose(states, [True] * 4, [None] * 4) == [[]] * 4  # 4 >= disable_by_batch_size
+
+
+def test_a_wholly_rejected_draft_backs_off_exponentially_and_an_accepted_one_resets():
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2))
+    s = _State([1, 2, 3, 1, 2])
+
+    def wait_after(accepted: int) -> int:
+        """Steps without a draft after a verified draft that accepted ``accepted`` tokens."""
+        waited = 0
+        drafted = proposer.propose([s], [True], [accepted])[0]
+        while not drafted:
+            waited += 1
+            drafted = proposer.propose([s], [True], [None])[0]
+        return waited
+
+    assert proposer.propose([s], [True], [None])[0] == [3, 1]
+    assert [wait_after(0) for _ in range(7)] == [0, 1, 2, 4, 8, 16, 16]
+    assert wait_after(1) == 0 and wait_after(0) == 0 and wait_after(0) == 1  # reset, then again from the start
+
+
+VOCAB = 8
+TRIALS = 6000
+# Two positions with different target distributions, a draft token per position.
+LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], [0.0, 1.0, -1.0, 2.5, 0.3, 0.2, -2.0, 1.2]])
+
+
+def _target(row: int, temperature: float, top_k: int) -> np.ndarray:
+    x = LOGITS[row].double().numpy() / temperature
+    if top_k:
+        x[np.argsort(-x)[top_k:]] = -np.inf
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
+    support = probs > 0
+    assert counts[~support].sum() == 0, f"outside the support: {counts}"
+    p = chisquare(counts[support], probs[support] * counts.sum()).pvalue
+    assert p > 0.001, f"counts {counts} vs expected {(probs * counts.sum()).round(1)} (p={p:.2e})"
+
+
+@pytest.mark.parametrize("temperature,top_k,draft", [(1.0, 0, [1, 3]), (0.7, 4, [0, 4]), (1.0, 3, [5, 3])])
+def test_verification_keeps_the_target_distribution(temperature, top_k, draft):
+    """First token ~ p_0; after an accepted first draft, the second ~ p_1. The draft [5, ...]
+    with top-k 3 is never in p_0's support: always rejected, and still p_0 comes out."""
+    from pagedllm.spec_decode.rejection import verify_drafts
+
+    rows = 3 * TRIALS  # each trial: 2 drafts + the bonus row
+    logits = torch.cat([LOGITS, LOGITS[1:]]).repeat(TRIALS, 1)
+    batch = SamplingBatch(temperatures=torch.full((rows,), temperature), generators=[None] * rows,
+                          num_logprobs=[None] * rows)  # fmt: skip
+    if top_k:
+        batch.top_k = torch.full((rows,), top_k)
+    tokens, _ = verify_drafts(Sampler(0), logits, batch, [draft] * TRIALS)
+    first = np.bincount([t[0] for t in tokens], minlength=VOCAB)
+    _assert_follows(first, _target(0, temperature, top_k))
+    after_accept = [t[1] for t in tokens if t[0] == draft[0]]
+    if _target(0, temperature, top_k)[draft[0]] > 0:
+        assert len(after_accept) > 500
+        _assert_follows(np.bincount(after_accept, minlength=VOCAB), _target(1, temperature, top_k))
+    else:
+        assert not after_accept
+    assert all(1 <= len(t) <= 3 and t[: len(t) - 1] == draft[: len(t) - 1] for t in tokens)
+
+
+def test_greedy_verification_accepts_while_the_draft_is_the_argmax():
+    from pagedllm.spec_decode.rejection import verify_drafts
+
+    logits = torch.cat([LOGITS, LOGITS[1:], LOGITS[:1], LOGITS[:1]])  # argmax 0, 3, 3, 0, 0
+    batch = SamplingBatch(temperatures=torch.zeros(5), generators=[None] * 5, num_logprobs=[None, None, None, 1, 1])
+    tokens, logprobs = verify_drafts(Sampler(0), logits, batch, [[0, 3], [7]])
+    assert tokens == [[0, 3, 3], [0]]  # both accepted + bonus; the wrong draft replaced by the argmax
+    assert logprobs[0] == [None, None, None] and logprobs[1][0].token_rank == 1
