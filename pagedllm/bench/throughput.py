@@ -30,11 +30,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("--compare", choices=["transformers", "vllm"], action="append", default=[],
                    help="also run this peer (repeatable), each in a fresh process of its own")
-    p.add_argument("--peer-python", default=None, help="the peer's Python (default: this one; vLLM: its venv's)")
-    p.add_argument("--peer-model", default=None,
-                   help="the peer's copy of the model (default: the GGUF file for transformers; vLLM needs an HF dir)")
-    p.add_argument("--peer-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="set in the peer's process only (e.g. LD_PRELOAD=libtcmalloc_minimal.so.4 for vLLM)")
+    p.add_argument("--peer-python", action="append", default=[], metavar="[ENGINE=]PATH",
+                   help="a peer's Python, for every peer or for one (vllm=/venv/bin/python) (default: this one)")
+    p.add_argument("--peer-model", action="append", default=[], metavar="[ENGINE=]PATH",
+                   help="a peer's copy of the model, for every peer or one (default: the GGUF file for transformers; vLLM needs an HF dir)")
+    p.add_argument("--peer-env", action="append", default=[], metavar="[ENGINE:]KEY=VALUE",
+                   help="set in a peer's process only, every peer's or one's (e.g. vllm:LD_PRELOAD=libtcmalloc_minimal.so.4)")
+
+
+def peer_setting(engine: str, values: list[str], sep: str = "=") -> list[str]:
+    """The values of a repeatable --peer-* flag that apply to ``engine``: unprefixed ones and
+    those prefixed ``engine`` + ``sep`` (the prefix removed). An unprefixed value is one
+    whose text before ``sep`` is not a peer's name."""
+    out = []
+    for v in values:
+        head, found, rest = v.partition(sep)
+        if found and head in ("transformers", "vllm"):
+            if head == engine:
+                out.append(rest)
+        else:
+            out.append(v)
+    return out
 
 
 def _rates(w: Workload, elapsed: float) -> dict:
@@ -102,8 +118,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     )
     for engine in dict.fromkeys(args.compare):
         gc.collect()
-        base = run_peer(engine, w, engine_kwargs.get("model"), result["dtype"], args.peer_python, args.peer_model,
-                        args.peer_env)
+        python = (peer_setting(engine, args.peer_python) or [None])[-1]
+        model = (peer_setting(engine, args.peer_model) or [None])[-1]
+        base = run_peer(engine, w, engine_kwargs.get("model"), result["dtype"], python, model,
+                        peer_setting(engine, args.peer_env, sep=":"))
         result[engine] = base
         ratio = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
         result[f"ratio_output_tokens_per_s_{engine}"] = ratio
