@@ -12,6 +12,12 @@
 // - decoder_stack_f32: all decoder layers of a small step in one call (the kernels above).
 //
 // Every kernel has a pure-torch twin in pagedllm/kernels/reference.py; the tests compare them.
+// Instruction sets (common.h): each kernel has a portable path and an AVX2 one; the two GEMMs
+// also have an AVX-512 one (PAGEDLLM_AVX512, compiled in when build.py's -march=native finds
+// AVX-512 on this CPU), which sums every output in the same k order with the same FMAs, so the
+// AVX2 and AVX-512 builds give the same bits (tests/kernels: test_each_simd_build_...). The
+// attention has no AVX-512 path: on Zen 4, which runs a 512-bit op as two 256-bit halves, zmm
+// scores/softmax/V sums measured no faster than the AVX2 loop.
 // Threads: each call runs an OpenMP team of `nthreads` (the caller passes torch's setting).
 // Sizes: callers pass the pool sizes (num_blocks, num_slots, max_positions); Python checks the
 // step's block tables, slots and positions against them once per step, and a build with
@@ -617,8 +623,9 @@ void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, in
 // Dense fp32 GEMM y = x @ W^T for steps of more than a few tokens. W is packed once at load
 // (pagedllm/kernels/reference.py: pack_panels) into panels of 16 rows stored k-major,
 // panel[p][k][j] = W[16p + j][k], so a micro-kernel streams one 16-wide row of the panel per k
-// and keeps a 6 x 16 tile of y in 12 registers: 12 FMAs per 2 loads and 6 broadcasts. x is
-// cut into chunks of rows that stay in L2 while all panels pass over them.
+// and keeps a 6 x 16 tile of y in 12 registers: 12 FMAs per 2 loads and 6 broadcasts (AVX-512:
+// an 8 x 16 tile in 8 registers, 8 FMAs per load). x is cut into chunks of rows that stay in
+// L2 while all panels pass over them.
 
 namespace {
 
