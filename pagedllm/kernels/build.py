@@ -2,7 +2,8 @@
 
 The shared library is built from every ``csrc/*.cpp`` (one file per kernel family, each with
 its own C API block; shared helpers in ``csrc/common.h``) with the system C++ compiler
-(``$CXX``, else g++/c++/clang++) for this CPU (``-march=native``) and cached under
+(``$CXX``, else g++/c++/clang++) for this CPU (``-march=native``: AVX-512, AVX2 or portable code
+paths by what the CPU has) and cached under
 ``~/.cache/pagedllm/kernels`` keyed by the sources, the flags and the CPU, so later starts load it in milliseconds. It links the OpenMP runtime
 torch already loaded (same soname), so kernel threads and torch's threads are one pool.
 
@@ -140,17 +141,13 @@ def _build(compiler: str, flags: list[str], out: Path) -> None:
         os.replace(Path(work) / out.name, out)
 
 
-def build_library(march: str = "native") -> ctypes.CDLL:
-    """Build (or find in the cache) and load the library for ``-march=march``.
-
-    ``native`` is what the engine uses; tests also build ``x86-64`` to check the portable
-    (non-AVX2) code paths. Raises RuntimeError/OSError when it cannot.
-    """
+def library_path(march: str = "native") -> Path:
+    """The library built for ``-march=march`` (built now unless cached), without loading it:
+    a library for an instruction set this CPU lacks can still be built and inspected.
+    Raises RuntimeError when it cannot be built."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
-    import torch  # noqa: F401  (its OpenMP runtime must be loaded before our library)
-
     flags = [f"-march={march}", *FLAGS]
     if os.environ.get("PAGEDLLM_KERNEL_DEBUG", "0") == "1":  # every index checked in the kernels
         flags.append("-DPAGEDLLM_DEBUG")
@@ -160,7 +157,20 @@ def build_library(march: str = "native") -> ctypes.CDLL:
     if not path.exists():
         logger.info("building native CPU kernels with %s -march=%s (once per machine)", compiler, march)
         _build(compiler, flags, path)
-    lib = ctypes.CDLL(str(path))
+    return path
+
+
+def build_library(march: str = "native") -> ctypes.CDLL:
+    """Build (or find in the cache) and load the library for ``-march=march``.
+
+    ``native`` is what the engine uses: the compiler reads this CPU's features, so the AVX-512
+    paths are compiled in where the CPU has AVX-512, the AVX2 ones where it has AVX2, else the
+    portable ones (``pagedllm_kernels_isa()`` says which). Tests also build ``x86-64`` and
+    ``haswell`` to run the other paths. Raises RuntimeError/OSError when it cannot.
+    """
+    import torch  # noqa: F401  (its OpenMP runtime must be loaded before our library)
+
+    lib = ctypes.CDLL(str(library_path(march)))
     for name, (restype, argtypes) in full_c_api().items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes

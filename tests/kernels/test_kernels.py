@@ -175,18 +175,16 @@ def test_write_kv_and_silu_and_mul_match_torch():
     torch.testing.assert_close(native, torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
 
 
-def test_portable_build_matches_the_torch_twins(monkeypatch):
-    """The non-AVX2 code paths (what a CPU without AVX2 runs), built with -march=x86-64."""
-    from pagedllm.kernels.build import build_library
+def check_against_the_twins(lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GEMM, attention and glue kernel of `lib` against its pure-torch twin (and the small-step
+    GEMM against the panels of the same library, bit for bit: batch invariance on this path)."""
     from tests.attention.test_backends import get_attention_backend, make_batch
 
-    lib = build_library(march="x86-64")
-    assert lib.pagedllm_kernels_isa() == b"generic"
     monkeypatch.setattr(ops, "load_kernels", lambda: lib)
     for qtype in ("Q4_1", "Q8_0"):
         packed, dense = random_blocks(qtype, 37, 96, seed=5)
         grouped = reference.group_blocks(packed, qtype, 37, 96)
-        for m in (1, 2, 5):
+        for m in (1, 2, 5, 11):
             x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
             want = x @ torch.from_numpy(dense).t()
             got = ops.grouped_linear(x, grouped, qtype, 37)
@@ -197,21 +195,96 @@ def test_portable_build_matches_the_torch_twins(monkeypatch):
     for m in (1, 8, 100):
         x = torch.randn(m, 50)
         torch.testing.assert_close(ops.panel_linear(x, reference.pack_panels(w), 37), x @ w.t(), rtol=1e-5, atol=1e-4)
-    q, k, v, kc, vc, meta, _ = make_batch(2, 16, 9, 3, torch.float32, 64)
-    ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
-    kc2, vc2 = kc.clone(), vc.clone()
-    ops.write_kv(k, v, kc2, vc2, meta.slot_mapping)
-    torch.testing.assert_close(ops.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125), ref, rtol=1e-5, atol=1e-5)
-    for window in (1, 5, 16, 21):  # the portable kernel's window against the torch twin's
-        twin = reference.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, window)
-        got = ops.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, window)
-        torch.testing.assert_close(got, twin, rtol=1e-5, atol=1e-5)
+    for head_dim in (32, 64, 128):  # 64 and 128: the vectorised attention; 32: the generic one
+        q, k, v, kc, vc, meta, _ = make_batch(2, 16, 9, 3, torch.float32, head_dim)
+        scale = head_dim**-0.5
+        ref = get_attention_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+        kc2, vc2 = kc.clone(), vc.clone()
+        ops.write_kv(k, v, kc2, vc2, meta.slot_mapping)
+        got = ops.paged_attention(q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        for window in (1, 5, 16, 21):  # the kernel's window against the torch twin's
+            args = (q, kc2, vc2, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window)
+            torch.testing.assert_close(ops.paged_attention(*args), reference.paged_attention(*args), rtol=1e-5, atol=1e-5)
     x, w, res = torch.randn(9, 96), torch.randn(96), torch.randn(9, 96)
     want = res + x
     want = w * (want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5, res), want, rtol=1e-5, atol=1e-5)
     gate_up = torch.randn(9, 80)
     torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
+
+
+def test_portable_build_matches_the_torch_twins(monkeypatch):
+    """The non-AVX2 code paths (what a CPU without AVX2 runs), built with -march=x86-64."""
+    from pagedllm.kernels.build import build_library
+
+    lib = build_library(march="x86-64")
+    assert lib.pagedllm_kernels_isa() == b"generic"
+    check_against_the_twins(lib, monkeypatch)
+
+
+# -march -> (what pagedllm_kernels_isa() reports, the /proc/cpuinfo flags a CPU needs to run it)
+SIMD_BUILDS = {
+    "haswell": ("avx2", {"avx2", "fma", "f16c"}),
+    "skylake-avx512": ("avx512", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}),
+}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty when /proc/cpuinfo cannot tell: every SIMD test then skips)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("march", list(SIMD_BUILDS))
+def test_each_simd_build_this_cpu_runs_matches_the_twins_and_the_native_bits(march, monkeypatch):
+    """The AVX2 and the AVX-512 code paths, each where this CPU can run it: against the torch
+    twins, and their GEMMs against the native build's (whichever ISA that is) with torch.equal
+    - every path sums each output in the same k order with the same FMAs, so a model gives the
+    same bits on an AVX2 and an AVX-512 machine."""
+    from pagedllm.kernels.build import build_library
+
+    isa, needs = SIMD_BUILDS[march]
+    missing = needs - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)} for the {isa} path (test_simd_builds_compile checks it compiles)")
+    lib = build_library(march=march)
+    assert lib.pagedllm_kernels_isa() == isa.encode()
+    native = load_kernels()
+    for qtype in ("Q4_1", "Q8_0"):
+        for n, k in [(37, 96), (130, 576)]:
+            packed, dense = random_blocks(qtype, n, k, seed=n + k)
+            grouped = reference.group_blocks(packed, qtype, n, k)
+            panels = reference.pack_panels(torch.from_numpy(dense))
+            x = torch.randn(200, k, generator=torch.Generator().manual_seed(k))
+            outs = []
+            for which in (native, lib):
+                monkeypatch.setattr(ops, "load_kernels", lambda which=which: which)
+                outs.append([ops.grouped_linear(x[:m], grouped, qtype, n) for m in range(1, PACKED_MAX_ROWS + 3)]
+                            + [ops.panel_linear(x[:m], panels, n) for m in (1, 7, 13, 97, 200)])
+            for a, b in zip(*outs):
+                assert torch.equal(a, b), f"{qtype} {n}x{k}, {a.shape[0]} rows: {march} differs from native"
+    check_against_the_twins(lib, monkeypatch)
+
+
+@pytest.mark.parametrize("march", list(SIMD_BUILDS))
+def test_simd_builds_compile(march):
+    """Each SIMD path compiles and exports the whole C API, also on a CPU that cannot run it
+    (an AVX2-only CI still compiles the AVX-512 code): the library is inspected, never loaded."""
+    import subprocess
+
+    from pagedllm.kernels.build import full_c_api, library_path
+
+    isa, _ = SIMD_BUILDS[march]
+    path = library_path(march=march)
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    symbols = {line.split()[-1] for line in exported.stdout.splitlines()}
+    assert set(full_c_api()) <= symbols and "pagedllm_kernels_isa" in symbols
+    # pagedllm_kernels_isa() returns this literal only when that path's code was compiled in
+    assert isa.encode() + b"\0" in path.read_bytes()
 
 
 # --------------------------------------------------------------------------- the kernel ABI

@@ -10,9 +10,16 @@
 #include <omp.h>
 #include <cstdio>
 #include <cstdlib>
+// The instruction sets are chosen when the library is built for this CPU (build.py: -march=native
+// on first use, cached per CPU): PAGEDLLM_AVX2 for AVX2 + FMA (Haswell, Zen), PAGEDLLM_AVX512 on
+// top of it for AVX-512 F/BW/DQ/VL (Skylake-SP, Ice Lake, Sapphire Rapids, Zen 4). Every
+// AVX-512 path has an AVX2 twin and a portable one that the tests build and compare.
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define PAGEDLLM_AVX512 1
+#endif
 #endif
 
 // In a -DPAGEDLLM_DEBUG build, every index is checked before use (a failure names it and aborts).

@@ -12,6 +12,12 @@
 // - decoder_stack_f32: all decoder layers of a small step in one call (the kernels above).
 //
 // Every kernel has a pure-torch twin in pagedllm/kernels/reference.py; the tests compare them.
+// Instruction sets (common.h): each kernel has a portable path and an AVX2 one; the two GEMMs
+// also have an AVX-512 one (PAGEDLLM_AVX512, compiled in when build.py's -march=native finds
+// AVX-512 on this CPU), which sums every output in the same k order with the same FMAs, so the
+// AVX2 and AVX-512 builds give the same bits (tests/kernels: test_each_simd_build_...). The
+// attention has no AVX-512 path: on Zen 4, which runs a 512-bit op as two 256-bit halves, zmm
+// scores/softmax/V sums measured no faster than the AVX2 loop.
 // Threads: each call runs an OpenMP team of `nthreads` (the caller passes torch's setting).
 // Sizes: callers pass the pool sizes (num_blocks, num_slots, max_positions); Python checks the
 // step's block tables, slots and positions against them once per step, and a build with
@@ -20,6 +26,8 @@
 // whole process (torch included).
 
 #include "common.h"
+
+#include <type_traits>
 
 // ============================================================================================
 // The C API: every symbol build.py loads is declared here and only here. build.py reads these
@@ -401,6 +409,89 @@ inline void weights16(const GroupQ8_0& g, const ScalesQ8_0& s, int k, __m256& w0
 }
 #endif
 
+#ifdef PAGEDLLM_AVX512
+// AVX-512: a group-block's 16 rows are one zmm, so a column's 16 weights cost one widening, one
+// convert and one FMA (AVX2: two of each), and a tile can hold more rows.
+struct Scales512Q4_1 { __m512 d, m; };
+struct Scales512Q8_0 { __m512 d; };
+inline __m512 load_f16x16(const uint16_t* h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+inline Scales512Q4_1 scales512(const GroupQ4_1& g) { return {load_f16x16(g.d), load_f16x16(g.m)}; }
+inline Scales512Q8_0 scales512(const GroupQ8_0& g) { return {load_f16x16(g.d)}; }
+
+// The 16 weights of column k: the 8 bytes twice (lanes 0-7 and 8-15), lanes 8-15 shifted down
+// a nibble, so lane j holds row j's quant; then d * q + m with one FMA, as the AVX2 path does.
+inline __m512 weights16(const GroupQ4_1& g, const Scales512Q4_1& s, int k) {
+    int64_t raw;
+    std::memcpy(&raw, g.qs[k], 8);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_set1_epi64x(raw));
+    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(0x0f));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s.d, s.m);
+}
+inline __m512 weights16(const GroupQ8_0& g, const Scales512Q8_0& s, int k) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g.qs[k]));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), s.d);
+}
+
+// gemm_tile (below) with one zmm per row and group: MR * NG accumulators, each the same k
+// chain as the AVX2 and portable tiles', so every ISA gives the same bits.
+template <typename Group, int MR, int NG>
+void gemm_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* grp, int64_t nb, int cols) {
+    using Scales = decltype(scales512(grp[0]));
+    __m512 acc[MR][NG];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) acc[i][g] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        Scales s[NG];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) s[g] = scales512(grp[g * nb + b]);
+        const float* xb = x + b * QK;
+        for (int k = 0; k < QK; k++) {
+            __m512 w[NG];
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++) w[g] = weights16(grp[g * nb + b], s[g], k);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const __m512 xv = _mm512_set1_ps(xb[i * ldx + k]);
+#pragma GCC unroll 4
+                for (int g = 0; g < NG; g++) acc[i][g] = _mm512_fmadd_ps(xv, w[g], acc[i][g]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            const int n = std::min(GROUP_ROWS, cols - GROUP_ROWS * g);
+            if (n > 0) _mm512_mask_storeu_ps(y + i * ldy + GROUP_ROWS * g, __mmask16((1u << n) - 1), acc[i][g]);
+        }
+}
+
+// The rows of a tile smaller than MR (the last one), in a tile of their own size.
+template <typename Group, int MR, int NG>
+void gemm_rows512(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* grp, int64_t nb, int cols, int rows) {
+    if constexpr (MR > 0) {
+        if (rows == MR) return gemm_tile512<Group, MR, NG>(y, ldy, x, ldx, grp, nb, cols);
+        gemm_rows512<Group, MR - 1, NG>(y, ldy, x, ldx, grp, nb, cols, rows);
+    }
+}
+
+// All M rows against NG groups starting at column n0, in row tiles of up to 8 / NG (8 rows
+// measured faster than 4, 12 or 16 on Zen 4).
+template <typename Group, int NG>
+void gemm_groups512(float* y, const float* x, const Group* grp, int64_t M, int64_t N, int64_t K, int64_t n0) {
+    constexpr int MR = 8 / NG;
+    const int64_t nb = K / QK;
+    const int cols = int(std::min<int64_t>(GROUP_ROWS * NG, N - n0));
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+        gemm_rows512<Group, MR, NG>(y + m0 * N + n0, N, x + m0 * K, K, grp, nb, cols, int(std::min<int64_t>(MR, M - m0)));
+}
+#endif
+
 // y[0..MR-1, 0..16*NG-1] (`cols` of them stored) = MR rows of x times NG consecutive groups
 // (their group-blocks `nb` apart). MR and NG are template arguments so the accumulators stay
 // in registers: MR * 2 * NG vectors (at most 8), each column's k chain in order.
@@ -487,8 +578,26 @@ void grouped_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t
     // the FMA latency; with more rows, one group per pass feeds the row tiles.
     const bool pairs = M <= 2;
     const int64_t items = pairs ? (num_groups + 1) / 2 : num_groups;
+#ifdef PAGEDLLM_AVX512
+    // With one or two Q4_1 rows the AVX2 tile is faster on Zen 4, which runs a 512-bit op as
+    // two 256-bit halves: it widens a column's 8 bytes once and splits the nibbles, where the
+    // zmm tile widens 16 lanes; with more rows the zmm tile's 8-row tiles share the dequant.
+    const bool zmm = !(pairs && std::is_same_v<Group, GroupQ4_1>);
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t it = 0; it < items; it++) {
+#ifdef PAGEDLLM_AVX512
+        if (zmm) {
+            if (!pairs) {
+                gemm_groups512<Group, 1>(y, x, groups + it * nb, M, N, K, it * GROUP_ROWS);
+            } else if (2 * it + 1 < num_groups) {
+                gemm_groups512<Group, 2>(y, x, groups + 2 * it * nb, M, N, K, 2 * it * GROUP_ROWS);
+            } else {
+                gemm_groups512<Group, 1>(y, x, groups + 2 * it * nb, M, N, K, 2 * it * GROUP_ROWS);
+            }
+            continue;
+        }
+#endif
         if (!pairs) {
             gemm_groups<Group, 1>(y, x, groups + it * nb, M, N, K, it * GROUP_ROWS);
         } else if (2 * it + 1 < num_groups) {
@@ -514,8 +623,9 @@ void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, in
 // Dense fp32 GEMM y = x @ W^T for steps of more than a few tokens. W is packed once at load
 // (pagedllm/kernels/reference.py: pack_panels) into panels of 16 rows stored k-major,
 // panel[p][k][j] = W[16p + j][k], so a micro-kernel streams one 16-wide row of the panel per k
-// and keeps a 6 x 16 tile of y in 12 registers: 12 FMAs per 2 loads and 6 broadcasts. x is
-// cut into chunks of rows that stay in L2 while all panels pass over them.
+// and keeps a 6 x 16 tile of y in 12 registers: 12 FMAs per 2 loads and 6 broadcasts (AVX-512:
+// an 8 x 16 tile in 8 registers, 8 FMAs per load). x is cut into chunks of rows that stay in
+// L2 while all panels pass over them.
 
 namespace {
 
@@ -567,10 +677,49 @@ inline void panel_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const
     for (int i = 0; i < rows; i++) std::memcpy(y + i * ldy, tile[i], cols * sizeof(float));
 }
 
+#ifdef PAGEDLLM_AVX512
+// AVX-512: a panel row is one zmm, so a tile of MR rows x 16 columns is MR accumulators, each
+// FMA taking its x value as an embedded broadcast: MR FMAs per panel load. Each y element is
+// the same k chain as the AVX2 tile's, so the bits are the same. 8 rows (96 = 12 tiles) was
+// measured best on Zen 4: 6 and 10 about as fast, 12 and 14 slower (5-10%).
+constexpr int MR512 = 8;
+
+template <int MR>
+inline void panel_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols) {
+    __m512 acc[MR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w = _mm512_loadu_ps(panel + k * PANEL);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, acc[i]);
+    }
+    const __mmask16 mask = __mmask16((1u << cols) - 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
+}
+
+// The rows left after the full tiles, in one tile of their own size.
+template <int MR>
+inline void panel_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                          int rows) {
+    if constexpr (MR > 0) {
+        if (rows == MR) return panel_tile512<MR>(y, ldy, x, ldx, panel, K, cols);
+        panel_tail512<MR - 1>(y, ldy, x, ldx, panel, K, cols, rows);
+    }
+}
+#endif
+
 void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
                  int64_t rows) {
+#ifdef PAGEDLLM_AVX512
+    int64_t m = 0;
+    for (; m + MR512 <= rows; m += MR512) panel_tile512<MR512>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols);
+    if (m < rows) panel_tail512<MR512 - 1>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(rows - m));
+#else
     for (int64_t m = 0; m < rows; m += MR_MAX)
         panel_tile(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(std::min<int64_t>(MR_MAX, rows - m)));
+#endif
 }
 
 }  // namespace
@@ -598,7 +747,9 @@ void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const fl
 
 // Which instruction set this build used, for logs and tests.
 const char* pagedllm_kernels_isa() {
-#ifdef PAGEDLLM_AVX2
+#if defined(PAGEDLLM_AVX512)
+    return "avx512";
+#elif defined(PAGEDLLM_AVX2)
     return "avx2";
 #else
     return "generic";
