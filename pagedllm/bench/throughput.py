@@ -34,6 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a peer's Python, for every peer or for one (vllm=/venv/bin/python) (default: this one)")
     p.add_argument("--peer-model", action="append", default=[], metavar="[ENGINE=]PATH",
                    help="a peer's copy of the model, for every peer or one (default: the GGUF file for transformers; vLLM needs an HF dir)")
+    p.add_argument("--peer-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the peers' dtype (default: pagedllm's), e.g. a peer's best dtype on a CPU with native bf16")
     p.add_argument("--peer-env", action="append", default=[], metavar="[ENGINE:]KEY=VALUE",
                    help="set in a peer's process only, every peer's or one's (e.g. vllm:LD_PRELOAD=libtcmalloc_minimal.so.4)")
 
@@ -120,13 +122,13 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         gc.collect()
         python = (peer_setting(engine, args.peer_python) or [None])[-1]
         model = (peer_setting(engine, args.peer_model) or [None])[-1]
-        base = run_peer(engine, w, engine_kwargs.get("model"), result["dtype"], python, model,
+        base = run_peer(engine, w, engine_kwargs.get("model"), args.peer_dtype or result["dtype"], python, model,
                         peer_setting(engine, args.peer_env, sep=":"))
-        result[engine] = base
+        result[engine] = base = {**base, "dtype": args.peer_dtype or result["dtype"]}
         ratio = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
         result[f"ratio_output_tokens_per_s_{engine}"] = ratio
         line += (
-            f"\n{engine} {base['version']} ({w.name}, {result['dtype']}, batch {w.num_prompts}, own process): "
+            f"\n{engine} {base['version']} ({w.name}, {args.peer_dtype or result['dtype']}, batch {w.num_prompts}, own process): "
             f"{base['output_tokens_per_s']:.1f} output tokens/s ({base['elapsed_s']:.1f} s)"
             f"\nratio pagedllm / {engine}: {ratio:.2f}x"
         )
