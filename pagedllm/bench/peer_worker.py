@@ -3,7 +3,7 @@
 ``bench throughput --compare`` starts this file with the peer's Python (vLLM lives in a venv of
 its own, with its own torch), by path, so nothing of pagedllm is imported here: a fresh process
 that only the peer has warmed. The job comes as JSON on stdin; the result is the last line of
-stdout, as JSON.
+stdout that starts with ``RESULT_MARK``, as JSON (vLLM logs to stdout at shutdown, after it).
 
     {"engine": "transformers" | "vllm", "model": dir, "gguf_file": name or null,
      "dtype": "float32", "prompts": [[token ids], ...], "output_len": 128}
@@ -20,6 +20,7 @@ import resource
 import sys
 import time
 
+RESULT_MARK = "PEER-RESULT "
 
 def run_transformers(job: dict) -> dict:
     import torch
@@ -68,7 +69,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     result = {"transformers": run_transformers, "vllm": run_vllm}[job["engine"]](job)
     result["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print("\n" + json.dumps(result), flush=True)
+    print("\n" + RESULT_MARK + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

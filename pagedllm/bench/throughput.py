@@ -98,7 +98,12 @@ def run_peer(engine: str, w: Workload, model: str | None, dtype: str, python: st
                           text=True, env=env)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    from pagedllm.bench.peer_worker import RESULT_MARK
+
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if not lines:
+        raise RuntimeError(f"{engine} gave no result line:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    result = json.loads(lines[-1][len(RESULT_MARK) :])
     return {**result, **_rates(w, result["elapsed_s"])}
 
 
