@@ -15,9 +15,10 @@ natively, or by gathering blocks and dequantising them (``gather_blocks``).
 
 from __future__ import annotations
 
+import mmap
+
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagedllm.config import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
@@ -114,14 +115,24 @@ def carve_pool(spec: KVCacheSpec, shape: tuple[int, ...], flat: torch.Tensor) ->
 
 
 def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros``, but on CPU the memory is committed page by page when first written:
-    numpy's zeros is calloc, whose large blocks are fresh anonymous pages the kernel maps on
-    first touch, while torch.zeros writes every byte up front. So a large KV pool costs RSS only
-    for the blocks requests have used."""
+    """``torch.zeros``, but on CPU the memory is committed as it is first written: fresh
+    anonymous pages (zero-filled by the kernel) mapped on first touch, while torch.zeros writes
+    every byte up front. So a large KV pool costs RSS only for the blocks requests have used.
+
+    The mapping asks for transparent huge pages (MADV_HUGEPAGE, where the kernel offers them):
+    first writes then fault once per 2 MiB instead of per 4 KiB. Measured on an AMD EPYC Zen 4:
+    writing 1 GiB for the first time took 1.12 s with 4 KiB pages and 0.065 s with huge pages
+    (0.04 s for a second write) - time that W1's prefill otherwise spends in write_kv."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor keeps the mapping alive (frombuffer holds a reference to it).
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def allocate_pool(spec: KVCacheSpec, shape: tuple[int, ...], device: torch.device) -> KVPool:
