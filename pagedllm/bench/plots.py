@@ -65,12 +65,22 @@ def _title(prefix: str, results: list[Result]) -> str:
     return prefix + (f" ({', '.join(parts)})" if parts else "")
 
 
+def _engine_label(engine: str, r: Result) -> str:
+    """``engine (its dtype[, int8 activations])`` of one throughput result."""
+    dtype = (r.get(engine) or {}).get("dtype") or r.get("dtype")
+    if engine == "pagedllm" and r.get("activation_dtype") == "int8":
+        dtype = f"{dtype}, int8 activations"
+    return f"{engine} ({dtype})"
+
+
 def plot_throughput(results: list[Result], out: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
 
-    # shape -> engine -> num_prompts -> output tok/s of each run (repeated runs are averaged)
+    # shape -> engine and its dtype -> num_prompts -> output tok/s of each run (repeated runs are
+    # averaged). Each engine is labelled with its own dtype: a peer may run in another one
+    # (--peer-dtype), and pagedllm's int8 fast mode is its own series.
     series: dict[tuple, dict[str, dict[int, list[float]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list))
     )
@@ -79,11 +89,11 @@ def plot_throughput(results: list[Result], out: Path) -> Path | None:
         if not isinstance(n, int) or n <= 0:
             print(f"note: {r['_path']} has no usable 'num_prompts'; left out of the throughput plot")
             continue
-        shape = (r.get("input_len"), r.get("output_len"), r.get("dtype"))
+        shape = (r.get("input_len"), r.get("output_len"))
         for engine in ("pagedllm", "transformers", "vllm"):
             value = (r.get(engine) or {}).get("output_tokens_per_s")
             if isinstance(value, (int, float)):
-                series[shape][engine][n].append(float(value))
+                series[shape][_engine_label(engine, r)][n].append(float(value))
     if not series:
         print("note: no throughput result with 'num_prompts'; throughput plot skipped")
         return None
@@ -93,12 +103,13 @@ def plot_throughput(results: list[Result], out: Path) -> Path | None:
     ax = fig.add_subplot()
     ticks: set[int] = set()
     for shape, engines in sorted(series.items(), key=lambda kv: str(kv[0])):
-        suffix = f" ({shape[0]} -> {shape[1]} tokens, {shape[2]})" if len(series) > 1 else ""
-        for engine, points in engines.items():
+        suffix = f", {shape[0]} -> {shape[1]} tokens" if len(series) > 1 else ""
+        for label, points in sorted(engines.items()):
             ns = sorted(points)
             ticks.update(ns)
-            ax.plot(ns, [mean(points[n]) for n in ns], marker="o" if engine == "pagedllm" else "s",
-                    linestyle="-" if engine == "pagedllm" else "--", label=engine + suffix)  # fmt: skip
+            ours = label.startswith("pagedllm")
+            ax.plot(ns, [mean(points[n]) for n in ns], marker="o" if ours else "s",
+                    linestyle="-" if ours else "--", label=label.replace(")", suffix + ")"))  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(ticks), labels=[str(n) for n in sorted(ticks)])
     ax.xaxis.set_minor_locator(NullLocator())

@@ -112,3 +112,12 @@ def test_only_throughput_results_skip_the_serve_plot(monkeypatch, tmp_path, caps
     _assert_png(out / "throughput_vs_prompts.png")
     assert not (out / "serve_latency_vs_rate.png").exists()
     assert "no serve results" in capsys.readouterr().out
+
+
+def test_each_engine_is_labelled_with_its_own_dtype():
+    from pagedllm.bench.plots import _engine_label
+
+    r = {"dtype": "float32", "activation_dtype": "int8", "pagedllm": {}, "vllm": {"dtype": "bfloat16"}, "transformers": {}}
+    assert _engine_label("pagedllm", r) == "pagedllm (float32, int8 activations)"
+    assert _engine_label("vllm", r) == "vllm (bfloat16)"
+    assert _engine_label("transformers", r) == "transformers (float32)"  # an older result: the run's dtype
