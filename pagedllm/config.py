@@ -129,9 +129,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**value)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class EngineConfig:
@@ -163,7 +160,7 @@ class EngineConfig:
     swap_space: float = 4.0  # GiB of secondary KV pool, used with preemption_mode="swap"
     swap_path: str | None = None  # back the swap pool with this memory-mapped file instead of RAM
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 3, ...}
-    # (a dict, a JSON string or a SpeculativeConfig; spec_decode/config.py). None = off.
+    # (a dict, a JSON string or a SpeculativeConfig, parsed into the latter). None = off.
     speculative_config: Any = None
 
     def __post_init__(self) -> None:

@@ -37,12 +37,11 @@ def spec_stats(out: SchedulerOutput, sampled: list[list[int]]) -> SpecDecodeStat
     """What the step's drafts gave: a draft of k tokens with a accepted emits a + 1 tokens."""
     stats = None
     for s, tokens in zip(out.scheduled, sampled):
-        k = len(s.spec_token_ids)
-        if not k or not tokens:
+        accepted = s.num_accepted(tokens)
+        if accepted is None:
             continue
         stats = stats or SpecDecodeStats()
-        accepted = len(tokens) - 1
-        stats.add(SpecDecodeStats(1, k, accepted, [1] * accepted))
+        stats.add(SpecDecodeStats(1, len(s.spec_token_ids), accepted, [1] * accepted))
     return stats
 
 

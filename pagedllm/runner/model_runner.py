@@ -285,7 +285,7 @@ class ModelRunner:
             for tok in tokens:
                 state.append(tok)
         if self.proposer is not None:
-            accepted = [len(t) - 1 if s.spec_token_ids else None for s, t in zip(sched, result.sampled)]
+            accepted = [s.num_accepted(t) for s, t in zip(sched, result.sampled)]
             result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted)
         return result
 

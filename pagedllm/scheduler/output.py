@@ -43,6 +43,11 @@ class ScheduledRequest:
     # Draft tokens run after the known ones (counted in num_new_tokens), verified by the runner.
     spec_token_ids: list[int] = field(default_factory=list)
 
+    def num_accepted(self, drawn: list[int]) -> int | None:
+        """Draft tokens accepted, given the tokens the step drew for this request (the accepted
+        drafts and one more); None when it ran no drafts."""
+        return len(drawn) - 1 if self.spec_token_ids and drawn else None
+
 
 @dataclass
 class GrammarBitmask:

@@ -285,7 +285,8 @@ class Scheduler:
         now = time.monotonic()
         for i, (sched, tokens) in enumerate(zip(out.scheduled, sampled, strict=True)):
             req = self.requests[sched.req_id]
-            rejected = len(sched.spec_token_ids) + 1 - len(tokens) if sched.spec_token_ids else 0
+            accepted = sched.num_accepted(tokens)
+            rejected = 0 if accepted is None else len(sched.spec_token_ids) - accepted
             req.num_computed_tokens += sched.num_new_tokens - rejected
             req.spec_token_ids = drafts[i] if drafts else []
             self.kv.cache_blocks(req.request_id, min(req.num_computed_tokens, req.num_tokens), req.all_token_ids)
