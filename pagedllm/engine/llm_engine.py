@@ -19,9 +19,11 @@ from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
+from pagedllm.engine.capacity import startup_report
 from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_model
 from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats, spec_stats
+from pagedllm.kernels.ops import native_available
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
@@ -85,9 +87,9 @@ class LLMEngine:
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
-        self._log_startup(sizes, time.perf_counter() - t0, times)
+        self._log_startup(sizes, time.perf_counter() - t0, times, loaded.dense_copy)
 
-    def _log_startup(self, sizes: KVCacheSizes, seconds: float, times: StartupTimes) -> None:
+    def _log_startup(self, sizes: KVCacheSizes, seconds: float, times: StartupTimes, loaded_dense: bool) -> None:
         config, dtype = self.config, self.config.torch_dtype
         logger.info("model: %s (%s, %s)", self.source.path, self.source.format, self.arch.architecture)
         wide = matmul_dtype(dtype)
@@ -100,16 +102,9 @@ class LLMEngine:
                     "max_model_len": self.max_model_len}  # fmt: skip
         logger.info("config: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
         layout = sizes.layout
-        num_tokens = sizes.num_blocks * config.block_size // len(layout.groups)  # of every layer
-        logger.info(
-            "KV cache: %d blocks x %d tokens x %d layers = %d tokens of all %d layers (%.2f GiB reserved, %s%s%s); "
-            "max concurrency at %d tokens/request: %.2fx",
-            sizes.num_blocks, config.block_size, layout.num_slots, num_tokens, self.arch.num_layers,
-            sizes.num_blocks * sizes.block_bytes / (1 << 30), kv_dtype,
-            " with per-token-per-head fp32 scales" if self.runner.kv_spec.quantized else "",
-            "; memory committed as blocks are first written" if self.runner.device.type == "cpu" else "", self.max_model_len,
-            sizes.num_blocks / self.kv_cache_manager.max_blocks_held(self.max_model_len, config.max_num_batched_tokens),
-        )  # fmt: skip
+        # The same report as `pagedllm estimate` (engine/capacity.py), with this engine's choices.
+        for line in startup_report(config, self.source, self.max_model_len, loaded_dense, native_available()).lines()[1:]:
+            logger.info("%s", line)
         if len(layout.groups) > 1 or layout.groups[0].window is not None:
             logger.info("KV cache groups (sliding layers free the blocks behind their window): %s", layout.describe())
         logger.info("engine ready in %.1f s (%s; threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",

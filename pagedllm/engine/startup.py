@@ -61,6 +61,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_model_len: int
     times: StartupTimes
+    dense_copy: bool = True  # quantized weights also kept as fp32 (placement's decision)
 
 
 @dataclass
@@ -114,7 +115,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     eos = set(arch.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return LoadedModel(source, arch, model, tokenizer, frozenset(eos), max_model_len, times)
+    return LoadedModel(source, arch, model, tokenizer, frozenset(eos), max_model_len, times, placement.dense)
 
 
 def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``serve`` (OpenAI-compatible server), ``demo``, ``bench``."""
+"""The ``pagedllm`` command: ``serve`` (OpenAI-compatible server), ``demo``, ``estimate``, ``bench``."""
 
 from __future__ import annotations
 
@@ -73,6 +73,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    """Capacity planning from the model's headers: no weights are loaded (engine/capacity.py)."""
+    import json
+
+    from pagedllm.engine.capacity import estimate
+
+    report = estimate(engine_config_from_args(args), context_len=args.context_len)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
+    return 0
+
+
 # The benchmarks that build an engine: subcommand -> (module in pagedllm.bench, help). Each module
 # has add_args(parser) and run(args, engine_config_dict).
 ENGINE_BENCHES = {
@@ -105,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
     demo.set_defaults(func=_demo)
+
+    est = sub.add_parser("estimate", help="weight memory, KV pool and concurrency of a configuration, without loading weights")
+    add_engine_args(est)
+    est.add_argument("--context-len", type=int, default=None, help="prompt + output tokens per request for the concurrency figure (default: max_model_len)")
+    est.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    est.set_defaults(func=_estimate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, (module_name, help_text) in ENGINE_BENCHES.items():

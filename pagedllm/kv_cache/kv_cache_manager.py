@@ -58,6 +58,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def max_blocks_held(windows: Sequence[int | None], block_size: int, num_tokens: int, max_chunk: int) -> int:
+    """The most pool blocks a request of ``num_tokens`` tokens holds at once, in steps of at
+    most ``max_chunk`` tokens: a full group holds all its blocks; a sliding group the ones
+    covering a step's queries and the window before the first (at most window - 1 +
+    max_chunk positions, which touch at most one block more than they fill)."""
+    n = cdiv(num_tokens, block_size)
+    return sum(n if w is None else min(n, cdiv(w - 1 + max_chunk, block_size) + 1) for w in windows)
+
+
 class CachedPrefix(list):
     """``get_computed_blocks``' answer: group 0's hit blocks (a list, as one-group callers use
     it; its length is the hit in blocks, the same in every group) and every group's in
@@ -138,15 +147,8 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
-        """The most pool blocks a request of ``num_tokens`` tokens holds at once, in steps of at
-        most ``max_chunk`` tokens: a full group holds all its blocks; a sliding group the ones
-        covering a step's queries and the window before the first (at most window - 1 +
-        max_chunk positions, which touch at most one block more than they fill)."""
-        n = self.num_blocks_for(num_tokens)
-        bound = 0
-        for w in self.windows:
-            bound += n if w is None else min(n, cdiv(w - 1 + max_chunk, self.block_size) + 1)
-        return bound
+        """The module's ``max_blocks_held`` for this manager's groups and block size."""
+        return max_blocks_held(self.windows, self.block_size, num_tokens, max_chunk)
 
     def _first_needed(self, group: int, num_computed_tokens: int) -> int:
         """The first table entry a query at a position >= ``num_computed_tokens`` may read."""

@@ -50,7 +50,14 @@ def choose(mode: str, state: dict[str, Any], available: int | None = None) -> Pl
     qws = [w for w in state.values() if isinstance(w, QuantizedWeight)]
     packed = sum(w.nbytes for w in qws)
     dense = sum(4 * w.out_features * w.in_features for w in qws)
-    if not qws:
+    return decide(mode, packed, dense, bool(qws), available)
+
+
+def decide(mode: str, packed: int, dense: int, any_quantized: bool, available: int | None = None) -> Placement:
+    """``choose`` from the byte counts alone (capacity planning reads them off file headers)."""
+    if mode not in DENSE_WEIGHTS_CHOICES:
+        raise ValueError(f"dense_weights must be one of {', '.join(DENSE_WEIGHTS_CHOICES)}, got {mode!r}")
+    if not any_quantized:
         return Placement(True, 0, 0, "no quantized weights")
     if mode != "auto":
         return Placement(mode == "yes", packed, dense, f"dense_weights={mode}")

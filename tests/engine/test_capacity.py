@@ -1,0 +1,115 @@
+"""``pagedllm estimate`` (engine/capacity.py) against what an engine really allocates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.attention.kv_cache_dtype import cache_parts
+from pagedllm.config import EngineConfig
+from pagedllm.engine.capacity import estimate
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.cli import main
+from pagedllm.model.linear import Linear
+from pagedllm.quantization.weights import QuantizedEmbedding
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+
+def held_weight_bytes(model) -> int:
+    """Bytes of every distinct storage the model's weights live in (all forms a layer keeps)."""
+    storages: dict[int, int] = {}
+
+    def add(t) -> None:
+        if t is not None:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+
+    for t in [*model.parameters(), *model.buffers()]:
+        add(t)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            add(m.panels)
+            add(m.packed)
+            for q in m.quant or ():
+                add(q.data)
+        elif isinstance(m, QuantizedEmbedding):
+            add(m.qweight.data)
+    return sum(storages.values())
+
+
+def kv_pool_bytes(engine: LLMEngine) -> int:
+    return sum(t.nbytes for k, v in engine.runner.slot_caches for pool in (k, v) for t in cache_parts(pool))
+
+
+def check_against_engine(config: EngineConfig) -> None:
+    report = estimate(config)
+    engine = LLMEngine(config, log_stats_interval=0)
+    kv = report.kv
+    assert kv.num_blocks == engine.kv_cache_manager.num_blocks
+    assert kv.pool_bytes == kv_pool_bytes(engine)
+    assert kv.num_tokens == engine.kv_cache_manager.num_blocks * config.block_size
+    assert kv.max_model_len == engine.max_model_len
+    assert report.weights.total == held_weight_bytes(engine.runner.model)
+    # The longest context is the scheduler's own limit: one token more is refused.
+    sched = engine.scheduler
+    longest = kv.longest_context
+    ok = Request("ok", None, [1] * (longest - 1), SamplingParams(max_tokens=1), frozenset())
+    sched.check_request(ok)
+    if longest < engine.max_model_len:
+        too_long = Request("no", None, [1] * longest, SamplingParams(max_tokens=1), frozenset())
+        with pytest.raises(ValueError, match="KV blocks"):
+            sched.check_request(too_long)
+    # Concurrency: that many requests of context_len hold at most the pool.
+    per_request = engine.kv_cache_manager.max_blocks_held(kv.context_len, config.max_num_batched_tokens)
+    assert kv.max_concurrency == engine.kv_cache_manager.num_blocks // per_request
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_kv_blocks=37, block_size=8, max_model_len=512),
+        dict(kv_cache_space=0.001, kv_cache_dtype="int8", max_model_len=256),
+        dict(kv_cache_space=0.002, quantization="int8", dense_weights="no"),
+        dict(num_kv_blocks=64, dtype="bfloat16", quantization="int4"),
+    ],
+    ids=["blocks", "space-int8kv", "int8-no-dense", "bf16-int4"],
+)
+def test_estimate_equals_tiny_engine(tiny_llama, kwargs):
+    check_against_engine(EngineConfig(model=str(tiny_llama), **kwargs))
+
+
+def test_estimate_sliding_window_model(tmp_path):
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "mistral", "mistral", sliding_window=32)
+    check_against_engine(EngineConfig(model=str(path), num_kv_blocks=40, block_size=8, max_num_batched_tokens=64))
+
+
+def test_estimate_cli_json(tiny_llama, capsys):
+    assert main(["estimate", "--model", str(tiny_llama), "--num-kv-blocks", "100", "--block-size", "16",
+                 "--max-model-len", "512", "--context-len", "300", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    kv = out["kv_cache"]
+    # tiny llama: 2 layers x 2 KV heads x head_dim 16, K and V in fp32
+    assert kv["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert kv["num_blocks"] == 100 and kv["num_tokens"] == 1600
+    assert kv["blocks_per_request"] == 19 and kv["max_concurrency"] == 100 // 19
+    assert kv["longest_context"] == 512
+
+
+def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
+    assert main(["estimate", "--model", str(tiny_llama), "--num-kv-blocks", "10", "--block-size", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "longest context: 160 tokens (limited by the KV pool)" in text
+    assert "max concurrent requests at 512 tokens each: 0" in text
+    assert main(["estimate", "--model", str(tiny_llama), "--context-len", "0"]) == 2
+    assert "context_len" in capsys.readouterr().err
+    assert main(["estimate", "--model", str(tiny_llama), "--max-model-len", "100000"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [dict(kv_cache_space=0.5), dict(num_kv_blocks=300, dense_weights="no", max_model_len=2048)])
+def test_estimate_equals_default_model_engine(kwargs):
+    check_against_engine(EngineConfig(**kwargs))
