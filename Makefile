@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup serve test test-fast clean
+.PHONY: setup browser serve test test-fast clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 
 # torch first, pinned: the CPU build on local disk. Everything after sees it installed and
 # never asks a resolver for another torch.
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8
 	$(PY) -c "import torch, pagedllm; print('pagedllm ready, torch', torch.__version__)"
 	touch $(STAMP)
+
+# Debian's chromium + chromium-driver for the dashboard's browser test, where apt works (a
+# no-op once installed; see the script).
+browser:
+	@sh .ci/install-chromium
 
 serve: setup
 	$(VENV)/bin/pagedllm serve $(ARGS)

@@ -177,6 +177,14 @@ class AsyncLLM:
         """End every request now (shutdown): each stream gets a final 'abort' output."""
         self._command(("abort_all",))
 
+    async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` on the engine thread between two steps (a consistent, lock-free read
+        of its state, e.g. the dashboard's snapshot); its result or exception comes back."""
+        self._check_alive()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._command(("call", fn, done))
+        return await done
+
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
 
@@ -222,7 +230,7 @@ class AsyncLLM:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "add":
+            if cmd[0] in ("add", "call"):
                 accepted = cmd[2]
                 _Stream(accepted.get_loop()).put_call(_set_exception, accepted, error)
         for callback in self.on_dead:
@@ -245,6 +253,15 @@ class AsyncLLM:
         elif kind == "abort":
             if cmd[1] in self._streams:
                 self._deliver(self.engine.abort_request(cmd[1]))
+        elif kind == "call":
+            _, fn, done = cmd
+            reply = _Stream(done.get_loop())
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                reply.put_call(_set_exception, done, e)
+                return
+            reply.put_call(_set_result, done, result)
         elif kind == "abort_all":
             for request_id in list(self._streams):
                 self._deliver(self.engine.abort_request(request_id))

@@ -32,6 +32,7 @@ the groups).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from pagedllm.kv_cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block
@@ -65,6 +66,28 @@ def max_blocks_held(windows: Sequence[int | None], block_size: int, num_tokens: 
     max_chunk positions, which touch at most one block more than they fill)."""
     n = cdiv(num_tokens, block_size)
     return sum(n if w is None else min(n, cdiv(w - 1 + max_chunk, block_size) + 1) for w in windows)
+
+
+@dataclass
+class KVPoolSnapshot:
+    """``KVCacheManager.snapshot()``: each block's state (``states[i]``: 0 free, 1 free but
+    still holding a cached prefix, 2 in use), the requests whose tables hold each used block
+    (more than one: shared, e.g. a prefix-cache hit or a fork), and how many blocks carry a
+    prefix-cache hash (free or not)."""
+
+    num_blocks: int
+    block_size: int
+    states: bytes
+    owners: dict[int, list[str]]
+    num_cached_blocks: int
+
+    @property
+    def num_used(self) -> int:
+        return self.states.count(2)
+
+    @property
+    def num_cached_free(self) -> int:
+        return self.states.count(1)
 
 
 class CachedPrefix(list):
@@ -507,6 +530,25 @@ class KVCacheManager:
         copies = [c for pairs in self._pending_copies.values() for c in pairs]
         self._pending_copies = {}
         return copies
+
+    def snapshot(self) -> "KVPoolSnapshot":
+        """The pool as plain data, for a live view (the dashboard): one pass over the blocks and
+        the block tables, no copies of K/V. Call it on the thread that steps the engine."""
+        owners: dict[int, list[str]] = {}
+        for table in self.tables:
+            for request_id, blocks in table.items():
+                for b in blocks:
+                    if b is not NULL_BLOCK:
+                        owners.setdefault(b.block_id, []).append(request_id)
+        states = bytearray(self.num_blocks)  # 0 free, 1 free but cached (revivable), 2 in use
+        num_cached = 0
+        for b in self.block_pool.blocks:
+            if b.ref_cnt > 0:
+                states[b.block_id] = 2
+            elif b.block_hash is not None:
+                states[b.block_id] = 1
+            num_cached += b.block_hash is not None
+        return KVPoolSnapshot(self.num_blocks, self.block_size, bytes(states), owners, num_cached)
 
     def check_integrity(self) -> None:
         """Every reference is held by exactly one block-table entry, of one group; free + used = total."""

@@ -269,6 +269,20 @@ class Scheduler:
         out.preempted_ids.append(req.request_id)
         return refund
 
+    def snapshot(self) -> list[dict]:
+        """Running then waiting requests as plain data (a live view; the engine thread calls it)."""
+        rows = []
+        for queue, reqs in (("running", self.running), ("waiting", list(self.waiting))):
+            for req in reqs:
+                rows.append({
+                    "request_id": req.request_id, "queue": queue, "status": req.status.name.lower(),
+                    "num_computed_tokens": req.num_computed_tokens, "num_tokens": req.num_tokens,
+                    "num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": len(req.output_token_ids),
+                    "max_tokens": req.num_prompt_tokens + req.max_tokens, "num_preemptions": req.num_preemptions,
+                    "num_blocks": self.kv.num_held_blocks(req.request_id),
+                })  # fmt: skip
+        return rows
+
     # ----------------------------------------------------------------- after the forward
     def update_from_output(
         self, out: SchedulerOutput, sampled: list[list[int]], drafts: list[list[int]] | None = None

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.version import __version__
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.protocol import (
@@ -41,7 +42,7 @@ _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_
     "best_of", "stream_options.continuous_usage_stats", "response_format", "bad_words", "priority", "seed",
 }  # fmt: skip
 # Routes anyone may call even when an API key is set: they do no work and reveal nothing.
-_OPEN_PATHS = {"/health", "/version"}
+_OPEN_PATHS = {"/health", "/version"} | DASHBOARD_PATHS
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 ENGINE_DEATH_EXIT_DELAY = 2.0  # seconds of 503s between the engine's death and the exit
 
@@ -163,6 +164,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.llm = llm
     app.state.metrics = metrics
     app.add_middleware(GuardMiddleware, config=config)
+    add_dashboard_routes(app, llm)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

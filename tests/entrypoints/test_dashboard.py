@@ -1,0 +1,164 @@
+"""The KV-cache dashboard: the engine's snapshot, the guarded JSON route, and the page in a real
+browser (Debian's chromium + chromium-driver, driven through selenium)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.kv_state import RecentStats, kv_cache_state
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.stats import StepStats
+from pagedllm.sampling_params import SamplingParams
+from tests.entrypoints.server_utils import ServerProcess
+
+PROMPT = list(range(3, 3 + 40))  # 40 tokens: 2 full blocks of 16 and a partial one
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=256), log_stats_interval=0)
+
+
+def test_snapshot_follows_the_pool(engine):
+    recent = RecentStats()
+    engine.stat_loggers.append(recent)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        engine.add_request({"prompt_token_ids": PROMPT}, params, request_id="a")
+        engine.step()  # a's prompt computed: its full blocks are in the prefix cache
+        engine.add_request({"prompt_token_ids": PROMPT + [7]}, params, request_id="b")
+        engine.step()
+        state = kv_cache_state(engine, recent)
+        ids = [r["request_id"] for r in state["requests"]]
+        assert sorted(ids) == ["a", "b"] and {r["queue"] for r in state["requests"]} == {"running"}
+        for r in state["requests"]:
+            assert 0 < r["num_computed_tokens"] <= r["num_tokens"]
+        held = {i: engine.kv_cache_manager.get_block_ids(rid) for i, rid in enumerate(ids)}
+        used = {b for blocks in held.values() for b in blocks}
+        assert state["num_used_blocks"] == len(used) == state["blocks"].count("u")
+        assert state["num_used_blocks"] + state["num_free_blocks"] == state["num_blocks"] == 64
+        for i, blocks in held.items():
+            for b in blocks:
+                assert state["blocks"][b] == "u" and state["owner"][b] in held
+        # b adopted a's two full prompt blocks from the prefix cache: shared
+        assert state["shared"] == sorted(set(held[0]) & set(held[1]))
+        assert len(state["shared"]) == 2
+        while engine.has_unfinished_requests():
+            engine.step()
+        state = kv_cache_state(engine, recent)
+        assert state["num_used_blocks"] == 0 and state["requests"] == []
+        assert state["num_cached_free_blocks"] > 0 and set(state["blocks"]) <= {"f", "c"}
+        assert state["recent"]["prefix_hit_rate_total"] == pytest.approx(32 / 81)
+        assert sum(p["generation_tps"] for p in state["recent"]["series"]) * 5 == 60
+    finally:
+        engine.stat_loggers.remove(recent)
+
+
+def test_recent_stats_window():
+    now = [1000.0]
+    recent = RecentStats(window=20, clock=lambda: now[0])
+    for t, gen in [(1000, 10), (1004, 20), (1012, 40), (1030, 5)]:
+        now[0] = t
+        recent.record(StepStats(0, gen, 1, 0, 0.5, 0))
+    series = recent.series(bucket=5)
+    assert len(series) == 4 and series[-1]["t"] == -4
+    # slices 1011-15, 1016-20, 1021-25, 1026-30: seconds 1000 and 1004 fell out of the window
+    assert [p["generation_tps"] for p in series] == [40 / 5, 0, 0, 5 / 5]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_tok):
+    srv = ServerProcess(["--model", str(tiny_llama_tok), "--num-kv-blocks", "200", "--max-model-len", "512",
+                         "--max-num-seqs", "2", "--api-key", "sekrit"])  # fmt: skip
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_state_route_needs_the_key_and_the_page_does_not(server):
+    assert httpx.get(f"{server.url}/v1/kv_cache/state").status_code == 401
+    r = httpx.get(f"{server.url}/v1/kv_cache/state", headers={"Authorization": "Bearer sekrit"})
+    assert r.status_code == 200
+    state = r.json()
+    assert state["num_blocks"] == 200 and state["num_used_blocks"] == 0 and len(state["blocks"]) == 200
+    page = httpx.get(f"{server.url}/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'src="/dashboard/dashboard.js"' in page.text and "http" not in page.text.split("<body>")[1]  # no CDN
+    js = httpx.get(f"{server.url}/dashboard/dashboard.js")
+    assert js.status_code == 200 and "/v1/kv_cache/state" in js.text
+
+
+def _browser():
+    """Headless chromium through the system chromedriver, or skip when it is not installed."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; `make setup` does it where apt works)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1280,1000"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=webdriver.ChromeService(executable_path=driver_path), options=options)
+
+
+def _stream(url: str, prompt: str, max_tokens: int, errors: list) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}, timeout=120) as r:
+            assert r.status_code == 200
+            for _ in r.iter_lines():
+                pass
+    except Exception as e:  # reported by the test thread
+        errors.append(e)
+
+
+def test_dashboard_in_a_real_browser(server, tmp_path):
+    browser = _browser()
+    try:
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        browser.get(f"{server.url}/dashboard#key=sekrit")
+        text = lambda element_id: browser.find_element(By.ID, element_id).text  # noqa: E731
+        WebDriverWait(browser, 20, poll_frequency=0.05).until(lambda _: text("total-count") == "200")
+        assert text("used-count") == "0"
+        # Four requests with the same long prefix; two run at once (--max-num-seqs 2), two wait.
+        errors: list = []
+        prefix = "The quick brown fox jumps over the lazy dog. " * 8
+        threads = [threading.Thread(target=_stream, args=(server.url, f"{prefix}{i}", 380, errors)) for i in range(4)]
+        for t in threads:
+            t.start()
+        seen = {}
+
+        def streaming(_) -> bool:
+            assert not errors, errors
+            rows = browser.find_elements(By.CSS_SELECTOR, "#requests tr.req.running")
+            if int(text("used-count") or 0) > 0 and rows:
+                seen["used"], seen["rows"] = int(text("used-count")), [r.text for r in rows]
+                return True
+            return False
+
+        WebDriverWait(browser, 60, poll_frequency=0.05).until(streaming)
+        assert seen["used"] > 0 and 1 <= len(seen["rows"]) <= 2
+        assert all("running" in row and " / " in row for row in seen["rows"])
+        browser.save_screenshot(str(tmp_path / "streaming.png"))
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors
+        # After they end: nothing in use, the prompts' blocks stay cached, the queues are empty.
+        WebDriverWait(browser, 20, poll_frequency=0.05).until(
+            lambda _: text("used-count") == "0" and text("running-count") == "0" and text("waiting-count") == "0"
+        )
+        assert int(text("cached-count")) > 0
+        assert int(text("free-count")) == 200
+        assert browser.find_elements(By.CSS_SELECTOR, "#requests tr.req") == []
+        assert text("hit-rate").endswith("%") and text("hit-rate") != "0.0%"  # requests 2-4 hit the shared prefix
+    finally:
+        browser.quit()
