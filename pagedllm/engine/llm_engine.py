@@ -19,6 +19,7 @@ from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.capacity import startup_report
 from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_model
 from pagedllm.request import Request, RequestStatus
@@ -84,6 +85,8 @@ class LLMEngine:
                                         validate_structured=self.structured.validate)  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parallel = ParallelSampling(self.scheduler, share_prompt=config.enable_prefix_caching)
+        detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
+        self.beams = BeamSearch(self.scheduler, self.kv_cache_manager, detok)
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
@@ -160,12 +163,27 @@ class LLMEngine:
         self._samples_of[request_id] = [r.request_id for r in samples]
         return request_id
 
+    def add_beam_search(
+        self, prompt: PromptType, params: BeamSearchParams, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        """Queue a beam search (engine/beam_search.py); its one output (the beams, best first)
+        comes back from ``step()`` under ``request_id`` when the search ends."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        req = self.processor.process(prompt, SamplingParams(max_tokens=params.max_tokens), priority)
+        request_id = request_id if request_id is not None else self.next_request_id()
+        if request_id in self.output_processor.parents or request_id in self._samples_of:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority)
+        return request_id
+
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples): blocks are freed at once."""
         self._end_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.make_outputs()
+        return self.output_processor.make_outputs() + self.beams.take_outputs()
 
     def _end_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
+        self.beams.abort(request_id)  # a beam search: its beams' requests and blocks
         for sample_id in self._samples_of.pop(request_id, []):
             req = self.scheduler.end(sample_id, status)
             if req is not None:
@@ -185,7 +203,7 @@ class LLMEngine:
             self.output_processor.mark(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.structured.has_held
+        return self.scheduler.has_unfinished_requests() or self.structured.has_held or self.beams.has_unfinished()
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes (running requests keep their blocks)."""
@@ -242,6 +260,7 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
                     finished.append(req)
+        self.beams.after_step(scheduled, result.logprobs)
         self.parallel.release_ready()
         for req in finished:
             if all(self.scheduler.requests.get(r) is None for r in self._samples_of.get(req.parent_id, [])):
@@ -261,7 +280,7 @@ class LLMEngine:
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
-        return self.output_processor.make_outputs()
+        return self.output_processor.make_outputs() + self.beams.take_outputs()
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is now compiled (or end them if it failed); when

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.chat import render_chat
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
@@ -121,6 +122,26 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         return self._run(added, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's API; transformers' semantics, see engine/beam_search.py): per
+        prompt, ``params.beam_width`` sequences best first, sharing their prefixes' KV blocks."""
+        from pagedllm.engine.beam_search import to_beam_search_output
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        added: list[str] = []
+        try:
+            for prompt in prompts:
+                added.append(engine.add_beam_search(prompt, params))
+        except Exception:
+            for request_id in added:
+                engine.abort_request(request_id)
+            raise
+        return [to_beam_search_output(out) for out in self._run(added, use_tqdm)]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

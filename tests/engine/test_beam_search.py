@@ -1,0 +1,150 @@
+"""Beam search (engine/beam_search.py) against transformers' ``generate(num_beams=...)``, and its
+KV blocks: beams share their prefix, dead beams free theirs at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, BeamSearchParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+PROMPT = [5, 17, 99, 3, 42, 8, 200, 31, 64, 11]
+
+
+def oracle_beams(hf, prompt: list[int], width: int, max_tokens: int, eos: list[int] | None, **kw) -> list[tuple[list[int], float]]:
+    """transformers' returned beams: (generated tokens up to and including an EOS, score)."""
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                        num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=max_tokens,
+                        eos_token_id=eos, pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kw)  # fmt: skip
+    out = []
+    for seq, score in zip(g.sequences.tolist(), g.sequences_scores.tolist()):
+        gen = seq[len(prompt) :]
+        stop = next((i for i, t in enumerate(gen) if eos and t in eos), None)
+        out.append((gen if stop is None else gen[: stop + 1], score))
+    return out
+
+
+def assert_same_beams(mine, theirs, tol: float = 1e-4) -> None:
+    assert len(mine.sequences) == len(theirs)
+    for seq, (tokens, score) in zip(mine.sequences, theirs):
+        assert seq.output_token_ids == tokens
+        assert seq.score == pytest.approx(score, abs=tol)
+        n = len(tokens)
+        assert seq.score == pytest.approx(seq.cum_logprob / n ** seq_length_penalty(mine), abs=1e-6)
+
+
+def seq_length_penalty(out) -> float:
+    return out.length_penalty  # set by the test on the output it checks
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    llm = LLM(str(tiny_llama), num_kv_blocks=300, block_size=4, log_stats_interval=0)
+    return llm, hf
+
+
+@pytest.mark.parametrize(
+    "width,lp,early,ignore_eos",
+    [(2, 1.0, False, True), (4, 1.0, False, False), (4, 0.5, True, False), (3, 2.0, "never", False), (4, -1.0, False, True)],
+)
+def test_tiny_model_matches_transformers(tiny, width, lp, early, ignore_eos):
+    llm, hf = tiny
+    params = BeamSearchParams(beam_width=width, max_tokens=10, length_penalty=lp, early_stopping=early,
+                              ignore_eos=ignore_eos, include_stop_str_in_output=True)  # fmt: skip
+    (mine,) = llm.beam_search([{"prompt_token_ids": PROMPT}], params)
+    mine.length_penalty = lp
+    theirs = oracle_beams(hf, PROMPT, width, 10, None if ignore_eos else [2], length_penalty=lp, early_stopping=early)
+    assert_same_beams(mine, theirs)
+    kv = llm.llm_engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks  # every beam's blocks came back
+
+
+def test_beams_share_the_prompt_and_free_dead_beams(tiny_llama):
+    """Peak blocks of a 4-beam search: the prompt's blocks once plus about one tail per beam."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=4,
+                                    enable_prefix_caching=False), log_stats_interval=0)  # fmt: skip
+    prompt = list(range(3, 3 + 40))  # 10 full blocks
+    width, max_tokens = 4, 6
+    engine.add_beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True))
+    peak = 0
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        peak = max(peak, engine.kv_cache_manager.block_pool.num_used_blocks)
+        engine.kv_cache_manager.check_integrity()
+    peak = max(peak, engine.beams.peak_used_blocks)
+    prompt_blocks = 10
+    # each beam's tail: the (copied) last block plus blocks its own tokens filled
+    tails = width * (-(-max_tokens // 4) + 1)
+    assert prompt_blocks < peak <= prompt_blocks + tails
+    assert peak < width * (prompt_blocks + 2)  # unshared beams would need this much
+    assert engine.kv_cache_manager.num_free_blocks == 64
+    assert len(outputs) == 1 and len(outputs[0].outputs) == width
+
+
+def test_beams_run_beside_other_requests_and_abort(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=200, block_size=4), log_stats_interval=0)
+    rid = engine.add_beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True))
+    engine.add_request({"prompt_token_ids": PROMPT[:5]}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), "plain")
+    steps: list[set[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append({engine.scheduler.requests[s.req_id].parent_id for s in out.scheduled})
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    for _ in range(4):
+        engine.step()
+    # one flattened batch: every step ran the beams (3 after the first) and the plain request together
+    assert steps == [{rid, "plain"}] * 4
+    outs = engine.abort_request(rid)
+    assert [o.request_id for o in outs if o.finished] == [rid] and outs[0].outputs[0].finish_reason == "abort"
+    assert all(r.parent_id != rid for r in engine.scheduler.requests.values())
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv_cache_manager.check_integrity()
+    assert engine.kv_cache_manager.num_free_blocks == 200
+
+
+def test_bad_beam_params(tiny):
+    llm, _ = tiny
+    for bad in (dict(beam_width=0), dict(max_tokens=0), dict(temperature=0.7), dict(early_stopping="sometimes")):
+        kw = dict(beam_width=2, max_tokens=4) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BeamSearchParams(**kw)
+    with pytest.raises(ValueError, match="beam_width"):
+        llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=11, max_tokens=4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=2, max_tokens=100000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [2, 4])
+def test_default_model_matches_transformers(width, default_tokenizer):
+    import transformers
+
+    from pagedllm.model.loader import default_model_path
+
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    llm = LLM(num_kv_blocks=400, log_stats_interval=0)
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    chat = default_tokenizer.apply_chat_template([{"role": "user", "content": "Name a fruit."}], tokenize=True,
+                                                 add_generation_prompt=True, return_dict=False)  # fmt: skip
+    prompts = [default_tokenizer.encode("The capital of France is"), chat]
+    for prompt, (lp, early) in zip(prompts, [(1.0, False), (0.8, True)]):
+        params = BeamSearchParams(beam_width=width, max_tokens=16, length_penalty=lp, early_stopping=early,
+                                  include_stop_str_in_output=True)  # fmt: skip
+        (mine,) = llm.beam_search([{"prompt_token_ids": prompt}], params)
+        mine.length_penalty = lp
+        assert_same_beams(mine, oracle_beams(hf, prompt, width, 16, eos, length_penalty=lp, early_stopping=early))
