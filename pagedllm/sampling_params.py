@@ -147,10 +147,28 @@ class SamplingParams:
     detokenize: bool = True
     # Constrained decoding (JSON schema, regex, choice, grammar): structured_output/.
     structured_outputs: StructuredOutputsParams | None = None
+    # best_of > n: draw best_of samples, return the n with the highest cumulative logprob
+    # (engine/best_of.py). use_beam_search: a beam search of width best_of (or n) returning the
+    # n best beams, ranked by cumulative logprob / generated length ** length_penalty
+    # (engine/beam_search.py; early_stopping as transformers: True, False or "never").
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer at least n ({self.n}), got {self.best_of!r}")
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be true or false, got {self.use_beam_search!r}")
+        if not _is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never") or (_is_int(self.early_stopping) and not isinstance(self.early_stopping, bool)):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.use_beam_search and self.temperature != 0:
+            raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite non-negative number, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

@@ -118,6 +118,7 @@ class _Group:
     eos: frozenset[int]
     priority: int
     beams: list[_Beam]  # running, best first
+    num_return: int  # how many of the best finished beams the output carries
     requests: dict[str, _Beam] = field(default_factory=dict)  # live request id -> its beam
     finished: list[tuple[float, list[int], float]] = field(default_factory=list)  # (score, tokens, cum)
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
@@ -144,7 +145,7 @@ class BeamSearch:
         return max(2, 1 + (0 if params.ignore_eos else len(eos))) * params.beam_width
 
     def add(self, group_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
-            eos: frozenset[int], max_model_len: int, priority: int = 0) -> None:  # fmt: skip
+            eos: frozenset[int], max_model_len: int, priority: int = 0, num_return: int | None = None) -> None:  # fmt: skip
         """Queue a search (ValueError, changing nothing, if it could never run)."""
         if group_id in self.groups:
             raise ValueError(f"request_id {group_id!r} is already in use")
@@ -155,7 +156,10 @@ class BeamSearch:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
             )
-        group = _Group(group_id, params, prompt, list(prompt_token_ids), frozenset() if params.ignore_eos else eos, priority, [])
+        if num_return is not None and not 1 <= num_return <= params.beam_width:
+            raise ValueError(f"n ({num_return}) must be between 1 and the beam width ({params.beam_width})")
+        group = _Group(group_id, params, prompt, list(prompt_token_ids), frozenset() if params.ignore_eos else eos, priority,
+                       [], num_return or params.beam_width)  # fmt: skip
         first = _Beam([], 0.0)
         req = self._request(group, first, list(prompt_token_ids), 0)
         # What the whole search could hold at once must fit: refuse now rather than wait forever.
@@ -272,7 +276,7 @@ class BeamSearch:
         p = group.params
         outputs = []
         n = len(group.prompt_token_ids)
-        for i, (score, tokens, cum) in enumerate(group.finished):
+        for i, (score, tokens, cum) in enumerate(group.finished[: group.num_return]):
             stopped = bool(tokens) and tokens[-1] in group.eos
             shown = tokens if (not stopped or p.include_stop_str_in_output) else tokens[:-1]
             text = self.detokenize(shown) if self.detokenize is not None else ""

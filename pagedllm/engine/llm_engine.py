@@ -20,6 +20,7 @@ from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, Pr
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
+from pagedllm.engine.best_of import BestOf, expand as expand_best_of, wants_best_of
 from pagedllm.engine.capacity import startup_report
 from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_model
 from pagedllm.request import Request, RequestStatus
@@ -87,6 +88,7 @@ class LLMEngine:
         self.parallel = ParallelSampling(self.scheduler, share_prompt=config.enable_prefix_caching)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
         self.beams = BeamSearch(self.scheduler, self.kv_cache_manager, detok)
+        self.best_of = BestOf()
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._request_counter = itertools.count()
@@ -137,6 +139,17 @@ class LLMEngine:
         req = prompt if isinstance(prompt, ProcessedRequest) else self.processor.process(prompt, sampling_params, priority)
         params = req.sampling_params
         request_id = request_id if request_id is not None else self.next_request_id()
+        if params.use_beam_search:  # engine/beam_search.py; one final output with the n best beams
+            beam = BeamSearchParams(params.best_of or params.n, params.max_tokens, params.ignore_eos, 0.0,
+                                    params.length_penalty, params.include_stop_str_in_output, params.early_stopping)  # fmt: skip
+            if request_id in self.output_processor.parents or request_id in self._samples_of:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,
+                           req.priority, num_return=params.n)  # fmt: skip
+            return request_id
+        if wants_best_of(params):  # engine/best_of.py: best_of samples, the n best returned at the end
+            self.best_of.add(request_id, params)
+            params, output_kind = expand_best_of(params), RequestOutputKind.FINAL_ONLY
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         if request_id in self.output_processor.parents or any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -180,7 +193,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples): blocks are freed at once."""
         self._end_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.make_outputs() + self.beams.take_outputs()
+        return self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
 
     def _end_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         self.beams.abort(request_id)  # a beam search: its beams' requests and blocks
@@ -280,7 +293,7 @@ class LLMEngine:
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
-        return self.output_processor.make_outputs() + self.beams.take_outputs()
+        return self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is now compiled (or end them if it failed); when

@@ -128,16 +128,21 @@ def test_bad_beam_params(tiny):
         llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=2, max_tokens=100000))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("width", [2, 4])
-def test_default_model_matches_transformers(width, default_tokenizer):
+@pytest.fixture(scope="module")
+def real():
     import transformers
 
     from pagedllm.model.loader import default_model_path
 
     path = default_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    llm = LLM(num_kv_blocks=400, log_stats_interval=0)
+    return LLM(num_kv_blocks=400, log_stats_interval=0), hf
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [2, 4])
+def test_default_model_matches_transformers(width, real, default_tokenizer):
+    llm, hf = real
     eos = sorted(llm.llm_engine.eos_token_ids)
     chat = default_tokenizer.apply_chat_template([{"role": "user", "content": "Name a fruit."}], tokenize=True,
                                                  add_generation_prompt=True, return_dict=False)  # fmt: skip
@@ -148,3 +153,31 @@ def test_default_model_matches_transformers(width, default_tokenizer):
         (mine,) = llm.beam_search([{"prompt_token_ids": prompt}], params)
         mine.length_penalty = lp
         assert_same_beams(mine, oracle_beams(hf, prompt, width, 16, eos, length_penalty=lp, early_stopping=early))
+
+
+def test_best_of_returns_the_n_best_samples(tiny):
+    """best_of=5, n=2 with a seed: the two returned are the two best of the same five samples
+    (a seeded n=5 run draws the same five: sample i's seed derives from (seed, i))."""
+    llm, _ = tiny
+    prompt = {"prompt_token_ids": PROMPT}
+    kw = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    (all5,) = llm.generate([prompt], SamplingParams(n=5, logprobs=0, **kw), use_tqdm=False)
+    (best2,) = llm.generate([prompt], SamplingParams(n=2, best_of=5, **kw), use_tqdm=False)
+    ranked = sorted(all5.outputs, key=lambda o: -o.cumulative_logprob)
+    assert len({tuple(o.token_ids) for o in all5.outputs}) > 2  # the samples differ
+    assert [o.token_ids for o in best2.outputs] == [o.token_ids for o in ranked[:2]]
+    assert [o.cumulative_logprob for o in best2.outputs] == pytest.approx([o.cumulative_logprob for o in ranked[:2]])
+    assert [o.index for o in best2.outputs] == [0, 1] and best2.outputs[0].logprobs is None
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+
+
+def test_use_beam_search_in_sampling_params(tiny):
+    """The server's path: SamplingParams(use_beam_search, best_of, length_penalty) -> the n best beams."""
+    llm, _ = tiny
+    (beams,) = llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=4, max_tokens=6, length_penalty=0.7))
+    params = SamplingParams(n=2, best_of=4, use_beam_search=True, temperature=0, max_tokens=6, length_penalty=0.7)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    assert [o.token_ids for o in out.outputs] == [s.output_token_ids for s in beams.sequences[:2]]
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(use_beam_search=True, temperature=0.5)

@@ -86,14 +86,17 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
 
+    # Fields of UNSUPPORTED_FIELDS this endpoint does support (completions: beam search, best_of).
+    _supported: frozenset[str] = frozenset()
+
     def check_supported(self) -> None:
         """Refuse fields that ask for a feature we lack; log harmless unknown ones once."""
         given = {**(self.model_extra or {}), **{k: getattr(self, k) for k in self.model_fields_set}}
         for name, asks_for_it in UNSUPPORTED_FIELDS.items():
-            if name in given and asks_for_it(given[name]):
+            if name in given and name not in self._supported and asks_for_it(given[name]):
                 raise ValueError(f"{name} is not supported by this server")
         best_of = given.get("best_of")
-        if best_of is not None and best_of != self.n:
+        if best_of is not None and best_of != self.n and "best_of" not in self._supported:
             raise ValueError("best_of is not supported by this server (only best_of == n)")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise ValueError("stream_options.continuous_usage_stats is not supported by this server")
@@ -122,7 +125,8 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"give at most one output constraint; got {', '.join(sorted(given))}")
         return next(iter(given.values()), None)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                         **extra: Any) -> SamplingParams:  # fmt: skip
         logit_bias = None
         if self.logit_bias is not None:
             try:
@@ -153,6 +157,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured(),
+            **extra,
         )
 
 
@@ -189,6 +194,14 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # best_of > n: the n best of best_of samples by cumulative logprob; use_beam_search: the n
+    # best of a beam search of width best_of (or n), as vLLM's completions API.
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    _supported = frozenset({"use_beam_search", "length_penalty", "best_of"})
 
     def prompts(self) -> list[str | dict[str, Any]]:
         p = self.prompt
@@ -208,7 +221,13 @@ class CompletionRequest(_SamplingFields):
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        if self.stream and self.best_of is not None and self.best_of > self.n and not self.use_beam_search:
+            raise ValueError("best_of > n is not supported with stream (the best samples are known only at the end)")
+        if self.use_beam_search and self.temperature is None:
+            self.temperature = 0.0  # beam search is deterministic; OpenAI clients send no temperature
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, best_of=self.best_of,
+                                     use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
+                                     early_stopping=self.early_stopping)  # fmt: skip
 
 
 class ChatCompletionRequest(_SamplingFields):
