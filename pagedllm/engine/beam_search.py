@@ -139,6 +139,10 @@ class BeamSearch:
         self._ready: list[RequestOutput] = []
         # The most blocks the pool held in use at once while beam searches ran (for tests/logs).
         self.peak_used_blocks = 0
+        # False: share through the prefix cache instead (a new beam adopts its parent's cached
+        # full blocks and recomputes the rest), vLLM v1's way; kept to measure the choice
+        # (docs/beam_search.md).
+        self.share_by_fork = True
 
     # ------------------------------------------------------------------ lifecycle
     def num_candidates(self, params: BeamSearchParams, eos: frozenset[int]) -> int:
@@ -161,24 +165,25 @@ class BeamSearch:
         group = _Group(group_id, params, prompt, list(prompt_token_ids), frozenset() if params.ignore_eos else eos, priority,
                        [], num_return or params.beam_width)  # fmt: skip
         first = _Beam([], 0.0)
-        req = self._request(group, first, list(prompt_token_ids), 0)
+        req = self._request(group, first, list(prompt_token_ids), 0, first=True)
         # What the whole search could hold at once must fit: refuse now rather than wait forever.
         self.scheduler.check_request(replace_max_tokens(req, params.max_tokens))
         group.beams = [first]
         self.groups[group_id] = group
         self._submit(group, first, req)
 
-    def _request(self, group: _Group, beam: _Beam, token_ids: list[int], num_computed: int) -> Request:
+    def _request(self, group: _Group, beam: _Beam, token_ids: list[int], num_computed: int, first: bool = False) -> Request:
         rid = f"{group.group_id}-beam{next(self._ids)}"
         k = self.num_candidates(group.params, group.eos)
         # max_tokens=2: the request samples once and is retired before it could sample again.
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=k, detokenize=False)
         req = Request(rid, None, token_ids, params, group.eos, priority=group.priority, parent_id=group.group_id,
-                      index=0 if num_computed == 0 else 1, arrival_time=group.arrival_time)  # fmt: skip
+                      index=0 if first else 1, arrival_time=group.arrival_time)  # fmt: skip
         req.num_computed_tokens = num_computed
-        if num_computed:  # a continuation: not a new prompt for the prefix-cache and prompt stats
+        if not first:  # a continuation: not a new prompt for the prompt-token stats
             req.num_prompt_tokens_run = req.num_prompt_tokens
-            req.first_scheduled_time = time.monotonic()
+            if num_computed:  # forked: nor for the prefix cache's hit rate
+                req.first_scheduled_time = time.monotonic()
         return req
 
     def _submit(self, group: _Group, beam: _Beam, req: Request) -> None:
@@ -257,8 +262,11 @@ class BeamSearch:
             parent = old[bi]
             beam = _Beam(parent.tokens + [tok], score)
             ids = group.prompt_token_ids + beam.tokens
-            req = self._request(group, beam, ids, len(ids) - 1)
-            self.kv.fork(parent.holder, req.request_id)
+            if self.share_by_fork:
+                req = self._request(group, beam, ids, len(ids) - 1)
+                self.kv.fork(parent.holder, req.request_id)
+            else:
+                req = self._request(group, beam, ids, 0)
             group.beams.append(beam)
             children.append((beam, req))
         self._release(old)
