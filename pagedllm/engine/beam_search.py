@@ -166,8 +166,16 @@ class BeamSearch:
                        [], num_return or params.beam_width)  # fmt: skip
         first = _Beam([], 0.0)
         req = self._request(group, first, list(prompt_token_ids), 0, first=True)
-        # What the whole search could hold at once must fit: refuse now rather than wait forever.
+        # What the whole search could hold at once must fit: refuse now rather than wait forever
+        # (beams that reported keep their blocks until their siblings have).
         self.scheduler.check_request(replace_max_tokens(req, params.max_tokens))
+        bs = self.kv.block_size
+        need = -(-(len(prompt_token_ids) + params.max_tokens) // bs) + (params.beam_width - 1) * (-(-params.max_tokens // bs) + 1)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"beam_width {params.beam_width} x max_tokens {params.max_tokens} may need {need} KV blocks but the pool "
+                f"holds only {self.kv.num_blocks}; raise kv_cache_space/num_kv_blocks or lower max_tokens"
+            )
         group.beams = [first]
         self.groups[group_id] = group
         self._submit(group, first, req)

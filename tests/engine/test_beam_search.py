@@ -181,3 +181,10 @@ def test_use_beam_search_in_sampling_params(tiny):
     assert [o.token_ids for o in out.outputs] == [s.output_token_ids for s in beams.sequences[:2]]
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(use_beam_search=True, temperature=0.5)
+
+
+def test_a_search_that_cannot_fit_the_pool_is_refused(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=20, block_size=4), log_stats_interval=0)
+    with pytest.raises(ValueError, match="KV blocks"):  # one beam fits (4 + 40 tokens = 11 blocks), 4 do not
+        engine.add_beam_search({"prompt_token_ids": PROMPT[:4]}, BeamSearchParams(beam_width=4, max_tokens=40))
+    assert not engine.has_unfinished_requests()
