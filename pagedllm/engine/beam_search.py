@@ -322,6 +322,20 @@ class BeamSearch:
         return out
 
 
+def beam_params_from(params: SamplingParams) -> BeamSearchParams:
+    """The beam search a ``SamplingParams(use_beam_search=True)`` asks for (the server's path):
+    width ``best_of`` (or ``n``); what a beam search cannot honour is refused."""
+    for name in ("stop", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"):
+        if getattr(params, name):
+            raise ValueError(f"{name} is not supported with use_beam_search")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise ValueError("logprobs is not supported with use_beam_search")
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0 or params.min_tokens:
+        raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and min_tokens are not supported with use_beam_search")
+    return BeamSearchParams(params.best_of or params.n, params.max_tokens, params.ignore_eos, 0.0, params.length_penalty,
+                            params.include_stop_str_in_output, params.early_stopping)  # fmt: skip
+
+
 def replace_max_tokens(req: Request, max_tokens: int) -> Request:
     """A copy of ``req`` asking for ``max_tokens`` (for the admission check of a whole search)."""
     from dataclasses import replace

@@ -19,7 +19,7 @@ from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
-from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, beam_params_from
 from pagedllm.engine.best_of import BestOf, expand as expand_best_of, wants_best_of
 from pagedllm.engine.capacity import startup_report
 from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_model
@@ -140,8 +140,7 @@ class LLMEngine:
         params = req.sampling_params
         request_id = request_id if request_id is not None else self.next_request_id()
         if params.use_beam_search:  # engine/beam_search.py; one final output with the n best beams
-            beam = BeamSearchParams(params.best_of or params.n, params.max_tokens, params.ignore_eos, 0.0,
-                                    params.length_penalty, params.include_stop_str_in_output, params.early_stopping)  # fmt: skip
+            beam = beam_params_from(params)
             if request_id in self.output_processor.parents or request_id in self._samples_of:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,

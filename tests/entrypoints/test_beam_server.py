@@ -40,6 +40,8 @@ def test_best_of_completion_and_errors(server):
         dict(n=1, best_of=3, stream=True),  # best_of > n cannot stream
         dict(use_beam_search=True, temperature=0.7),
         dict(use_beam_search=True, n=1, best_of=11),  # wider than the logprobs the engine gives
+        dict(use_beam_search=True, stop=["."]),
+        dict(use_beam_search=True, n=2, best_of=2, logprobs=1),
     ]
     for extra in bad:
         r = post(server, "/v1/completions", prompt="Hello", max_tokens=5, **extra)
