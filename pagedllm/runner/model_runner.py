@@ -26,7 +26,8 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
-from pagedllm.spec_decode.proposer import Proposer, make_proposer
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.spec_decode.rejection import verify_drafts
 from pagedllm.scheduler.output import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -86,7 +87,9 @@ class ModelRunner:
         swap_path: str | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
+        draft_model: LlamaForCausalLM | None = None,
     ):
+        """``draft_model``: the loaded draft of ``speculative_config`` method "draft_model"."""
         self.model = model
         self.arch = model.arch
         self.device = torch.device(device)
@@ -111,7 +114,13 @@ class ModelRunner:
             np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64) for _ in self.layout.groups
         ]
         self.sampler = Sampler(seed, self.device)
-        self.proposer: Proposer | None = make_proposer(speculative_config)
+        self.proposer: Proposer | None = None
+        if speculative_config is not None:
+            drafter = None
+            if draft_model is not None:
+                drafter = DraftModelProposer(draft_model, speculative_config.num_speculative_tokens, num_blocks,
+                                             block_size, max_model_len, self.kv_spec, self.backend, self.device)  # fmt: skip
+            self.proposer = Proposer(speculative_config, drafter)
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
@@ -123,6 +132,9 @@ class ModelRunner:
             self._generators.pop(req_id, None)
         for req_id in out.preempted_ids:
             self.requests.pop(req_id, None)
+        if self.proposer is not None:
+            for req_id in (*out.finished_req_ids, *out.preempted_ids):
+                self.proposer.forget(req_id)
         for s in out.scheduled:
             if s.new is not None:
                 self.requests[s.req_id] = CachedRequestState.from_new(s.new)

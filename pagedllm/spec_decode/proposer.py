@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
@@ -10,8 +10,10 @@ from pagedllm.spec_decode.ngram import NgramProposer
 
 
 class _State(Protocol):
+    req_id: str
     sampling_params: SamplingParams
     token_ids: list[int]
+    output_token_ids: list[int]
     bad_words_token_ids: list[list[int]]
     spec_backoff: int  # steps to wait after the next wholly rejected draft (0: none yet)
     spec_skip: int  # steps left without drafts
@@ -34,9 +36,17 @@ class Proposer:
     was all rejected waits 1, 2, 4, ... (at most 16) steps before its next draft; any accepted
     token resets the wait. On text that never repeats, drafting then all but stops."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, drafter: Any = None):
+        """``drafter``: the model-based proposer of the method (e.g. ``DraftModelProposer``)
+        with ``propose(req_ids, token_ids)`` and ``forget(req_id)``; None for n-gram."""
         self.config = config
         self._ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = drafter
+
+    def forget(self, req_id: str) -> None:
+        """The request ended or was preempted (a drafter frees whatever it kept for it)."""
+        if self.drafter is not None:
+            self.drafter.forget(req_id)
 
     def propose(self, states: list[_State], sampled: list[bool], accepted: list[int | None]) -> list[list[int]]:
         """``accepted[i]``: how many of state i's draft tokens this step accepted (None: it had none)."""
@@ -53,15 +63,22 @@ class Proposer:
         for i, (s, did) in enumerate(zip(states, sampled)):
             if not did or not can_speculate(s.sampling_params, s.bad_words_token_ids):
                 continue
+            if len(s.output_token_ids) + 1 >= s.sampling_params.max_tokens:
+                continue  # no room for a draft before max_tokens
             if s.spec_skip > 0:
                 s.spec_skip -= 1
                 continue
             wanted.append(i)
         drafts: list[list[int]] = [[] for _ in states]
-        for i, d in zip(wanted, self._ngram.propose([states[i].token_ids for i in wanted])):
+        if not wanted:
+            return drafts
+        token_ids = [states[i].token_ids for i in wanted]
+        if self.drafter is None:
+            found = self._ngram.propose(token_ids)
+        else:
+            # At most what fits before max_tokens (the scheduler trims n-gram drafts the same way).
+            limits = [states[i].sampling_params.max_tokens - len(states[i].output_token_ids) - 1 for i in wanted]
+            found = self.drafter.propose([states[i].req_id for i in wanted], token_ids, limits)
+        for i, d in zip(wanted, found):
             drafts[i] = d
         return drafts
-
-
-def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    return None if config is None else Proposer(config)
