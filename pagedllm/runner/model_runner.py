@@ -26,8 +26,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
-from pagedllm.spec_decode.draft_model import DraftModelProposer
-from pagedllm.spec_decode.proposer import Proposer
+from pagedllm.spec_decode.proposer import DraftPool, Proposer, make_proposer
 from pagedllm.spec_decode.rejection import verify_drafts
 from pagedllm.scheduler.output import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -116,11 +115,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         self.proposer: Proposer | None = None
         if speculative_config is not None:
-            drafter = None
-            if draft_model is not None:
-                drafter = DraftModelProposer(draft_model, speculative_config.num_speculative_tokens, num_blocks,
-                                             block_size, max_model_len, self.kv_spec, self.backend, self.device)  # fmt: skip
-            self.proposer = Proposer(speculative_config, drafter)
+            self.proposer = make_proposer(speculative_config, model, draft_model, DraftPool(
+                num_blocks, block_size, max_model_len, self.kv_spec, self.backend, self.device))  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
@@ -298,7 +294,13 @@ class ModelRunner:
                 state.append(tok)
         if self.proposer is not None:
             accepted = [s.num_accepted(t) for s, t in zip(sched, result.sampled)]
-            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted)
+            last_hidden = None
+            if self.proposer.needs_hidden:  # each request's row that sampled its newest token
+                at = [0] * len(sched)
+                for (row, i), d in zip(rows, drafts):
+                    at[i] = int(query_start_loc[row + 1]) - 1 - len(d) + len(result.sampled[i]) - 1
+                last_hidden = hidden[torch.tensor(at, device=dev)]
+            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted, last_hidden)
         return result
 
     def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:

@@ -79,7 +79,9 @@ class DraftModelProposer:
             state.blocks.append(self._free.pop())
         return state
 
-    def propose(self, req_ids: list[str], token_ids: list[list[int]], limits: list[int]) -> list[list[int]]:
+    needs_hidden = False
+
+    def propose(self, req_ids: list[str], token_ids: list[list[int]], limits: list[int], hidden=None) -> list[list[int]]:
         """Greedy drafts of up to k (and ``limits[i]``) tokens for each request (prompt + output
         ``token_ids``)."""
         drafts: list[list[int]] = [[] for _ in req_ids]

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kv_cache_dtype import KVCacheSpec
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 
 
@@ -48,8 +56,16 @@ class Proposer:
         if self.drafter is not None:
             self.drafter.forget(req_id)
 
-    def propose(self, states: list[_State], sampled: list[bool], accepted: list[int | None]) -> list[list[int]]:
-        """``accepted[i]``: how many of state i's draft tokens this step accepted (None: it had none)."""
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether ``propose`` wants each request's last hidden state (Medusa heads do)."""
+        return getattr(self.drafter, "needs_hidden", False)
+
+    def propose(
+        self, states: list[_State], sampled: list[bool], accepted: list[int | None], hidden: Any = None
+    ) -> list[list[int]]:
+        """``accepted[i]``: how many of state i's draft tokens this step accepted (None: it had
+        none); ``hidden`` (when ``needs_hidden``): row i is state i's last hidden state."""
         for s, a in zip(states, accepted):
             if a is None:
                 continue
@@ -78,7 +94,34 @@ class Proposer:
         else:
             # At most what fits before max_tokens (the scheduler trims n-gram drafts the same way).
             limits = [states[i].sampling_params.max_tokens - len(states[i].output_token_ids) - 1 for i in wanted]
-            found = self.drafter.propose([states[i].req_id for i in wanted], token_ids, limits)
+            rows = hidden[wanted] if self.needs_hidden else None
+            found = self.drafter.propose([states[i].req_id for i in wanted], token_ids, limits, rows)
         for i, d in zip(wanted, found):
             drafts[i] = d
         return drafts
+
+
+@dataclass
+class DraftPool:
+    """What a draft model's own paged KV cache is made like: the target's pool."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    kv_spec: KVCacheSpec
+    backend: AttentionBackend
+    device: torch.device
+
+
+def make_proposer(config: SpeculativeConfig, target: Any, draft_model: Any, pool: DraftPool) -> Proposer:
+    """The proposer of ``config.method``: n-gram; a loaded ``draft_model``; or Medusa heads
+    (``config.model``, else the ones shipped for the default model) over ``target``'s LM head."""
+    k = config.num_speculative_tokens
+    drafter = None
+    if config.method == "draft_model":
+        drafter = DraftModelProposer(draft_model, k, pool.num_blocks, pool.block_size, pool.max_model_len,
+                                     pool.kv_spec, pool.backend, pool.device)  # fmt: skip
+    elif config.method == "medusa":
+        heads = MedusaHeads.load(Path(config.model or DEFAULT_MEDUSA), target.arch.hidden_size, target.arch.vocab_size)
+        drafter = MedusaProposer(heads, k, target.compute_logits)
+    return Proposer(config, drafter)
