@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
     demo.set_defaults(func=_demo)
 
+    from pagedllm.entrypoints import train_draft_head
+
+    train = sub.add_parser("train-draft-head", help="train speculative-decoding heads (Medusa) for a model, on this CPU")
+    train_draft_head.add_args(train)
+    train.set_defaults(func=train_draft_head.run)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, (module_name, help_text) in ENGINE_BENCHES.items():
         module = importlib.import_module(f"pagedllm.bench.{module_name}")
