@@ -81,7 +81,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 # Speculative decoding: vLLM's ``speculative_config`` shape (the work is in spec_decode/).
-SPEC_METHODS = ("ngram", "draft_model", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 
 
 @dataclass(frozen=True)

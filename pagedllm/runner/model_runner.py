@@ -300,7 +300,15 @@ class ModelRunner:
                 for (row, i), d in zip(rows, drafts):
                     at[i] = int(query_start_loc[row + 1]) - 1 - len(d) + len(result.sampled[i]) - 1
                 last_hidden = hidden[torch.tensor(at, device=dev)]
-            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted, last_hidden)
+            features = None
+            if self.proposer.needs_features:  # the rows of each request's verified positions
+                features = [(0, hidden[:0])] * len(sched)
+                for row, i in enumerate(order):
+                    s = sched[i]
+                    n = s.num_new_tokens - len(s.spec_token_ids) + (accepted[i] or 0)
+                    features[i] = (s.num_computed_tokens, hidden[int(query_start_loc[row]) : int(query_start_loc[row]) + n])
+            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted,
+                                                          last_hidden, features)  # fmt: skip
         return result
 
     def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:

@@ -18,25 +18,22 @@ preempted (``forget``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, paged_metadata
-from pagedllm.attention.kv_cache_dtype import KVCacheSpec, allocate_pool
-
-
-@dataclass
-class _DraftState:
-    blocks: list[int] = field(default_factory=list)
-    num_cached: int = 0  # known tokens whose K/V the draft cache holds
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.kv_cache_dtype import KVCacheSpec
+from pagedllm.spec_decode.draft_cache import DraftKVCache
 
 
 class DraftModelProposer:
     """``model``: a causal LM with the engine's model interface (``forward(ids, positions,
     kv_caches, backend, meta)`` -> hidden, ``compute_logits``) and no sliding-window layers."""
+
+    needs_hidden = False
+    needs_features = False
 
     def __init__(
         self,
@@ -52,75 +49,56 @@ class DraftModelProposer:
         arch = model.arch
         if any(arch.is_sliding(i) for i in range(arch.num_layers)):
             raise ValueError("speculative_config.model: a draft model with sliding-window layers is not supported")
-        self.model, self.k, self.block_size = model, k, block_size
-        self.max_model_len, self.backend, self.device = max_model_len, backend, device
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [(allocate_pool(kv_spec, shape, device), allocate_pool(kv_spec, shape, device))
-                          for _ in range(arch.num_layers)]  # fmt: skip
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
-        self._states: dict[str, _DraftState] = {}
+        self.model, self.k, self.max_model_len, self.backend, self.device = model, k, max_model_len, backend, device
+        self.cache = DraftKVCache(arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, kv_spec, device)
+        self._num_cached: dict[str, int] = {}  # known tokens whose K/V the draft cache holds
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.cache.num_free_blocks
 
     def forget(self, req_id: str) -> None:
         """The request ended or was preempted: its draft blocks go back to the pool."""
-        state = self._states.pop(req_id, None)
-        if state is not None:
-            self._free.extend(reversed(state.blocks))
-
-    def _reserve(self, req_id: str, num_tokens: int) -> _DraftState | None:
-        state = self._states.setdefault(req_id, _DraftState())
-        need = -(-num_tokens // self.block_size) - len(state.blocks)
-        if need > len(self._free):
-            return None
-        for _ in range(need):
-            state.blocks.append(self._free.pop())
-        return state
-
-    needs_hidden = False
+        self.cache.free(req_id)
+        self._num_cached.pop(req_id, None)
 
     def propose(self, req_ids: list[str], token_ids: list[list[int]], limits: list[int], hidden=None) -> list[list[int]]:
         """Greedy drafts of up to k (and ``limits[i]``) tokens for each request (prompt + output
         ``token_ids``)."""
         drafts: list[list[int]] = [[] for _ in req_ids]
-        jobs = []  # (index, state, number of draft tokens)
+        jobs = []  # (index, number of draft tokens)
         for i, (req_id, ids, limit) in enumerate(zip(req_ids, token_ids, limits)):
             k = min(self.k, limit, self.max_model_len - len(ids))
-            state = self._reserve(req_id, len(ids) + k - 1) if k > 0 else None
-            if state is not None:
-                jobs.append((i, state, k))
+            if k > 0 and self.cache.reserve(req_id, len(ids) + k - 1):
+                jobs.append((i, k))
         if not jobs:
             return drafts
+        cached = [self._num_cached.get(req_ids[i], 0) for i, _ in jobs]
         # Decode-shaped rows (one uncached token) first, as the attention metadata wants.
-        jobs.sort(key=lambda j: len(token_ids[j[0]]) - j[1].num_cached != 1)
-        starts = np.array([s.num_cached for _, s, _ in jobs], dtype=np.int64)
-        tokens = [t for i, s, _ in jobs for t in token_ids[i][s.num_cached :]]
-        q_lens = np.array([len(token_ids[i]) - s.num_cached for i, s, _ in jobs], dtype=np.int64)
-        last = self._step(tokens, starts, q_lens, [s for _, s, _ in jobs])
-        for (i, s, _), t in zip(jobs, last):
+        order = sorted(range(len(jobs)), key=lambda j: len(token_ids[jobs[j][0]]) - cached[j] != 1)
+        jobs, cached = [jobs[j] for j in order], [cached[j] for j in order]
+        tokens = [t for (i, _), c in zip(jobs, cached) for t in token_ids[i][c:]]
+        q_lens = np.array([len(token_ids[i]) - c for (i, _), c in zip(jobs, cached)], dtype=np.int64)
+        last = self._step([req_ids[i] for i, _ in jobs], tokens, np.array(cached, dtype=np.int64), q_lens)
+        for (i, _), t in zip(jobs, last):
             drafts[i].append(t)
-            s.num_cached = len(token_ids[i])
-        for step in range(1, max(k for _, _, k in jobs)):
-            live = [(i, s) for i, s, k in jobs if k > step]
-            starts = np.array([len(token_ids[i]) + step - 1 for i, _ in live], dtype=np.int64)
-            last = self._step([drafts[i][-1] for i, _ in live], starts, np.ones(len(live), dtype=np.int64),
-                              [s for _, s in live])  # fmt: skip
-            for (i, _), t in zip(live, last):
+            self._num_cached[req_ids[i]] = len(token_ids[i])
+        for step in range(1, max(k for _, k in jobs)):
+            live = [i for i, k in jobs if k > step]
+            starts = np.array([len(token_ids[i]) + step - 1 for i in live], dtype=np.int64)
+            last = self._step([req_ids[i] for i in live], [drafts[i][-1] for i in live], starts,
+                              np.ones(len(live), dtype=np.int64))  # fmt: skip
+            for i, t in zip(live, last):
                 drafts[i].append(t)
         return drafts
 
-    def _step(self, tokens: list[int], starts: np.ndarray, q_lens: np.ndarray, states: list[_DraftState]) -> list[int]:
+    def _step(self, req_ids: list[str], tokens: list[int], starts: np.ndarray, q_lens: np.ndarray) -> list[int]:
         """One draft forward; the argmax token after each sequence's last position."""
-        tables = np.zeros((len(states), max(len(s.blocks) for s in states)), dtype=np.int64)
-        for row, s in enumerate(states):
-            tables[row, : len(s.blocks)] = s.blocks
-        meta, positions = paged_metadata(tables, starts, q_lens, self.block_size, self.device)
+        meta, positions = self.cache.metadata(req_ids, starts, q_lens)
         hidden = self.model(
             torch.tensor(tokens, dtype=torch.int64, device=self.device),
             torch.from_numpy(positions).to(self.device),
-            self.kv_caches,
+            self.cache.layers,
             self.backend,
             meta,
         )

@@ -13,6 +13,7 @@ from pagedllm.attention.kv_cache_dtype import KVCacheSpec
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.eagle import DEFAULT_EAGLE, EagleHead, EagleProposer
 from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 
@@ -61,11 +62,19 @@ class Proposer:
         """Whether ``propose`` wants each request's last hidden state (Medusa heads do)."""
         return getattr(self.drafter, "needs_hidden", False)
 
+    @property
+    def needs_features(self) -> bool:
+        """Whether ``propose`` wants the hidden states of every verified position (EAGLE does)."""
+        return getattr(self.drafter, "needs_features", False)
+
     def propose(
-        self, states: list[_State], sampled: list[bool], accepted: list[int | None], hidden: Any = None
+        self, states: list[_State], sampled: list[bool], accepted: list[int | None], hidden: Any = None,
+        features: list[tuple[int, Any]] | None = None,
     ) -> list[list[int]]:
         """``accepted[i]``: how many of state i's draft tokens this step accepted (None: it had
-        none); ``hidden`` (when ``needs_hidden``): row i is state i's last hidden state."""
+        none); ``hidden`` (when ``needs_hidden``): row i is state i's last hidden state;
+        ``features`` (when ``needs_features``): state i's (first position, hidden states of its
+        verified positions this step)."""
         for s, a in zip(states, accepted):
             if a is None:
                 continue
@@ -75,6 +84,10 @@ class Proposer:
                 s.spec_skip = s.spec_backoff = 0
         if len(states) >= self.config.disable_by_batch_size:
             return [[] for _ in states]
+        if features is not None:  # unobserved steps leave a gap: the drafter then starts the context over
+            for s, (position, rows) in zip(states, features):
+                if can_speculate(s.sampling_params, s.bad_words_token_ids):
+                    self.drafter.observe(s.req_id, position, rows)
         wanted = []
         for i, (s, did) in enumerate(zip(states, sampled)):
             if not did or not can_speculate(s.sampling_params, s.bad_words_token_ids):
@@ -114,13 +127,18 @@ class DraftPool:
 
 
 def make_proposer(config: SpeculativeConfig, target: Any, draft_model: Any, pool: DraftPool) -> Proposer:
-    """The proposer of ``config.method``: n-gram; a loaded ``draft_model``; or Medusa heads
-    (``config.model``, else the ones shipped for the default model) over ``target``'s LM head."""
+    """The proposer of ``config.method``: n-gram; a loaded ``draft_model``; or an EAGLE head or
+    Medusa heads (``config.model``, else the ones shipped for the default model) over
+    ``target``'s features and LM head."""
     k = config.num_speculative_tokens
     drafter = None
     if config.method == "draft_model":
         drafter = DraftModelProposer(draft_model, k, pool.num_blocks, pool.block_size, pool.max_model_len,
                                      pool.kv_spec, pool.backend, pool.device)  # fmt: skip
+    elif config.method == "eagle":
+        head = EagleHead.load(Path(config.model or DEFAULT_EAGLE), target.arch.hidden_size, target.arch.vocab_size)
+        drafter = EagleProposer(head, target, k, pool.num_blocks, pool.block_size, pool.max_model_len, pool.kv_spec,
+                                pool.backend, pool.device)  # fmt: skip
     elif config.method == "medusa":
         heads = MedusaHeads.load(Path(config.model or DEFAULT_MEDUSA), target.arch.hidden_size, target.arch.vocab_size)
         drafter = MedusaProposer(heads, k, target.compute_logits)

@@ -135,8 +135,8 @@ def test_self_draft_accepts_every_token_and_gives_plain_tokens(tiny_llama_tok, d
     # The draft's blocks go back when the runner hears its requests ended (the next step).
     drafter = llm.llm_engine.runner.proposer.drafter
     llm.generate([{"prompt_token_ids": prompts[0][:3]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    held = sum(len(s.blocks) for s in drafter._states.values())
-    assert not {o.request_id for o in got} & set(drafter._states)
+    held = sum(len(b) for b in drafter.cache.blocks_held().values())
+    assert not {o.request_id for o in got} & set(drafter.cache.blocks_held())
     assert drafter.num_free_blocks + held == llm.llm_engine.kv_cache_manager.num_blocks
     if "preemption" in config:
         assert llm.llm_engine.num_preemptions_total > 0

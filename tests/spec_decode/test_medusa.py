@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints import train_draft_head
 from pagedllm.entrypoints.cli import main
 from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaProposer
 
@@ -15,10 +16,16 @@ from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaPropo
 @pytest.fixture(scope="module")
 def tiny_heads(tiny_llama_tok, tmp_path_factory):
     out = tmp_path_factory.mktemp("heads")
-    args = ["train-draft-head", "--model", str(tiny_llama_tok), "--output", str(out), "--num-heads", "3",
-            "--num-prompts", "6", "--max-tokens", "24", "--epochs", "2", "--batch-size", "16", "--lr", "1e-2"]  # fmt: skip
-    assert main(args) == 0
+    with pytest.MonkeyPatch.context() as mp:  # the answers' cache goes to a temporary directory
+        mp.setattr(train_draft_head, "cache_dir", lambda: out / "cache")
+        assert main(_train_args(tiny_llama_tok, out)) == 0
+        assert len(list((out / "cache" / "draft-head-data").glob("*.json"))) == 1
     return out
+
+
+def _train_args(model, out):
+    return ["train-draft-head", "--model", str(model), "--output", str(out), "--num-heads", "3",
+            "--num-prompts", "6", "--max-tokens", "24", "--epochs", "2", "--batch-size", "16", "--lr", "1e-2"]  # fmt: skip
 
 
 def test_training_writes_loadable_heads_that_learn(tiny_heads):
