@@ -81,13 +81,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 # Speculative decoding: vLLM's ``speculative_config`` shape (the work is in spec_decode/).
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    # None: "draft_model" when ``model`` is given, else "ngram" (vLLM infers it the same way).
+    method: str | None = None
     num_speculative_tokens: int = 3
+    # draft_model: the draft's weights (a .gguf file or a Hugging Face directory; it must share
+    # the target's vocabulary). medusa / eagle: a directory of trained heads (``pagedllm
+    # train-draft-head``); None = the heads shipped for the default model.
+    model: str | None = None
     # n-gram (prompt lookup): match the last n tokens, n from max down to min, in the request's
     # own prompt + output; the tokens that followed the latest earlier match are the draft.
     prompt_lookup_min: int = 1
@@ -97,6 +102,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")  # frozen
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
@@ -105,6 +112,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if self.num_speculative_tokens > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most 16, got {self.num_speculative_tokens}")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config.model (the draft model's path) is required with method 'draft_model'")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "

@@ -93,6 +93,8 @@ CONFIGS = {
     "default+warm-rerun": dict(),  # prefix caching and chunked prefill are on by default
     # Speculative decoding (n-gram drafts, verified in the same batch) changes speed, never tokens.
     "max_num_seqs=3+ngram-spec": dict(max_num_seqs=3, speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
+    # The model as its own draft (method draft_model): every draft is accepted, tokens unchanged.
+    "max_num_seqs=4+self-draft-spec": dict(max_num_seqs=4, speculative_config={"model": str(default_model_path())}),
     "block_size=32": dict(block_size=32),
     "no-prefix-caching": dict(enable_prefix_caching=False),
     "tiny-pool-preemption-chunk32+ngram-spec": dict(
@@ -127,6 +129,9 @@ def test_greedy_parity_with_transformers(config, prompts, oracle):
         assert any(o.num_preemptions > 0 for o in outs)
     if "spec" in config:
         assert llm.llm_engine.stats.spec_total.num_accepted_tokens > 0
+    if "self-draft" in config:
+        spec = llm.llm_engine.stats.spec_total
+        assert spec.num_accepted_tokens == spec.num_draft_tokens
     if config.endswith("swap"):
         assert kv.num_swap_outs > 0
     if config == "default+warm-rerun":

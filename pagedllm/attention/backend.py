@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.attention.kv_cache_dtype import KVPool, write_kv
@@ -43,6 +44,32 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
+
+
+def paged_metadata(
+    block_tables: np.ndarray, starts: np.ndarray, query_lens: np.ndarray, block_size: int, device: torch.device
+) -> tuple[AttentionMetadata, np.ndarray]:
+    """The metadata of a step whose sequence i has ``starts[i]`` cached tokens and
+    ``query_lens[i]`` new ones (sequences with one new token first), and the new tokens'
+    positions. ``block_tables`` [num_seqs, max_blocks] must cover every new position."""
+    num_seqs = len(query_lens)
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
+    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    seq_lens = starts + query_lens
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        query_start_loc=torch.from_numpy(query_start_loc).to(device),
+        seq_lens_list=seq_lens.tolist(),
+        query_lens_list=query_lens.tolist(),
+        num_decodes=int((query_lens == 1).sum()),
+        block_size=block_size,
+    )
+    return meta, positions
 
 
 class AttentionBackend(ABC):

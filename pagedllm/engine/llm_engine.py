@@ -22,7 +22,7 @@ from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, beam_params_from
 from pagedllm.engine.best_of import BestOf, expand as expand_best_of, wants_best_of
 from pagedllm.engine.capacity import startup_report
-from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_model
+from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_draft_model, load_model
 from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats, spec_stats
 from pagedllm.kernels.ops import native_available
@@ -63,6 +63,10 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         times = loaded.times
+        draft = None
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            with times.phase("draft model"):
+                draft = load_draft_model(config, self.max_model_len, self.arch.vocab_size)
         with times.phase("runner and KV pool"):
             self.runner = ModelRunner(
                 loaded.model,
@@ -77,6 +81,7 @@ class LLMEngine:
                 swap_path=config.swap_path,
                 kv_cache_dtype=config.kv_cache_dtype,
                 speculative_config=config.speculative_config,
+                draft_model=draft,
             )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -116,6 +116,23 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return LoadedModel(source, arch, model, tokenizer, frozenset(eos), max_model_len, times, placement.dense)
+
+
+def load_draft_model(config: EngineConfig, max_model_len: int, vocab_size: int) -> LlamaForCausalLM:
+    """The draft model of ``speculative_config`` (method draft_model): loaded as the target is
+    (same dtype, packed blocks, panels), for the target's context, with the target's vocabulary."""
+    spec = config.speculative_config
+    draft_config = replace(config, model=spec.model, max_model_len=max_model_len, speculative_config=None,
+                           quantization=None)  # fmt: skip
+    try:
+        draft = load_model(draft_config)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
+    if draft.arch.vocab_size != vocab_size:
+        raise ValueError(f"speculative_config.model has a vocabulary of {draft.arch.vocab_size} tokens; "
+                         f"the target's has {vocab_size}: a draft must share the target's tokenizer")  # fmt: skip
+    logger.info("draft model %s: %d layers, hidden size %d", draft.source.path, draft.arch.num_layers, draft.arch.hidden_size)
+    return draft.model
 
 
 def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:

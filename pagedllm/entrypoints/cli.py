@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-dtype", default=defaults["activation_dtype"], choices=list(ACTIVATION_DTYPES), help="what the linears multiply: float32 = fp32 activations x the exact dequantized weights; int8 = fast mode for GGUF Q4_0/Q4_1/Q8_0 weights, activations quantized per 32-wide block and integer dot products (llama.cpp's scheme; not exact, see docs/quantization.md) (default: %(default)s)")
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
-    g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
+    g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method = ngram | draft_model | medusa, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
@@ -122,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--context-len", type=int, default=None, help="prompt + output tokens per request for the concurrency figure (default: max_model_len)")
     est.add_argument("--json", action="store_true", help="print the numbers as JSON")
     est.set_defaults(func=_estimate)
+
+    from pagedllm.entrypoints import train_draft_head
+
+    train = sub.add_parser("train-draft-head", help="train speculative-decoding heads (Medusa, EAGLE) for a model, on this CPU")
+    train_draft_head.add_args(train)
+    train.set_defaults(func=train_draft_head.run)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, (module_name, help_text) in ENGINE_BENCHES.items():

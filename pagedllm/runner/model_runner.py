@@ -26,7 +26,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
-from pagedllm.spec_decode.proposer import Proposer, make_proposer
+from pagedllm.spec_decode.proposer import DraftPool, Proposer, make_proposer
 from pagedllm.spec_decode.rejection import verify_drafts
 from pagedllm.scheduler.output import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -86,7 +86,9 @@ class ModelRunner:
         swap_path: str | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
+        draft_model: LlamaForCausalLM | None = None,
     ):
+        """``draft_model``: the loaded draft of ``speculative_config`` method "draft_model"."""
         self.model = model
         self.arch = model.arch
         self.device = torch.device(device)
@@ -111,7 +113,10 @@ class ModelRunner:
             np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64) for _ in self.layout.groups
         ]
         self.sampler = Sampler(seed, self.device)
-        self.proposer: Proposer | None = make_proposer(speculative_config)
+        self.proposer: Proposer | None = None
+        if speculative_config is not None:
+            self.proposer = make_proposer(speculative_config, model, draft_model, DraftPool(
+                num_blocks, block_size, max_model_len, self.kv_spec, self.backend, self.device))  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
@@ -123,6 +128,9 @@ class ModelRunner:
             self._generators.pop(req_id, None)
         for req_id in out.preempted_ids:
             self.requests.pop(req_id, None)
+        if self.proposer is not None:
+            for req_id in (*out.finished_req_ids, *out.preempted_ids):
+                self.proposer.forget(req_id)
         for s in out.scheduled:
             if s.new is not None:
                 self.requests[s.req_id] = CachedRequestState.from_new(s.new)
@@ -286,7 +294,21 @@ class ModelRunner:
                 state.append(tok)
         if self.proposer is not None:
             accepted = [s.num_accepted(t) for s, t in zip(sched, result.sampled)]
-            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted)
+            last_hidden = None
+            if self.proposer.needs_hidden:  # each request's row that sampled its newest token
+                at = [0] * len(sched)
+                for (row, i), d in zip(rows, drafts):
+                    at[i] = int(query_start_loc[row + 1]) - 1 - len(d) + len(result.sampled[i]) - 1
+                last_hidden = hidden[torch.tensor(at, device=dev)]
+            features = None
+            if self.proposer.needs_features:  # the rows of each request's verified positions
+                features = [(0, hidden[:0])] * len(sched)
+                for row, i in enumerate(order):
+                    s = sched[i]
+                    n = s.num_new_tokens - len(s.spec_token_ids) + (accepted[i] or 0)
+                    features[i] = (s.num_computed_tokens, hidden[int(query_start_loc[row]) : int(query_start_loc[row]) + n])
+            result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted,
+                                                          last_hidden, features)  # fmt: skip
         return result
 
     def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:

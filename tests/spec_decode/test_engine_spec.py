@@ -106,3 +106,66 @@ def test_server_streams_drafted_tokens_and_counts_them(tiny_llama_tok):
         assert srv.stop() == 0
     with pytest.raises(RuntimeError, match="speculative_config"):
         ServerProcess([*args, "--speculative-config", '{"method": "nope"}'], timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory, default_tokenizer):
+    """Another random model (1 layer, its own width) sharing the target's vocabulary."""
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-draft"), vocab_size=49152, seed=11, num_hidden_layers=1,
+                           hidden_size=32, intermediate_size=64)  # fmt: skip
+    default_tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("config", ["default", "chunked-prefill-tiny-pool-preemption"])
+def test_self_draft_accepts_every_token_and_gives_plain_tokens(tiny_llama_tok, default_tokenizer, config):
+    """The model as its own draft proposes exactly what the target picks: acceptance 100%.
+    (A row's logits do not depend on the step's shape, docs/determinism.md.)"""
+    prompts = _prompts(default_tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kwargs = CONFIGS[config] if config == "default" else dict(num_kv_blocks=16, max_num_batched_tokens=24)
+    _, plain = _run(tiny_llama_tok, prompts, params, **kwargs)
+    spec = {"model": str(tiny_llama_tok), "num_speculative_tokens": 3}
+    llm, got = _run(tiny_llama_tok, prompts, params, speculative_config=spec, **kwargs)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.llm_engine.stats.spec_total
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    # The draft's blocks go back when the runner hears its requests ended (the next step).
+    drafter = llm.llm_engine.runner.proposer.drafter
+    llm.generate([{"prompt_token_ids": prompts[0][:3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    held = sum(len(b) for b in drafter.cache.blocks_held().values())
+    assert not {o.request_id for o in got} & set(drafter.cache.blocks_held())
+    assert drafter.num_free_blocks + held == llm.llm_engine.kv_cache_manager.num_blocks
+    if "preemption" in config:
+        assert llm.llm_engine.num_preemptions_total > 0
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_small_random_draft_keeps_greedy_and_seeded_tokens(tiny_llama_tok, tiny_draft, default_tokenizer, config):
+    prompts = _prompts(default_tokenizer)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)] * len(prompts)
+    params[1] = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True)
+    kwargs = CONFIGS[config]
+    spec = {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    _, first = _run(tiny_llama_tok, prompts, params, speculative_config=spec, **kwargs)
+    llm, again = _run(tiny_llama_tok, prompts, params, speculative_config=spec, **kwargs)
+    _, plain = _run(tiny_llama_tok, prompts, params, **kwargs)
+    for i, (a, b, c) in enumerate(zip(plain, first, again)):
+        assert b.outputs[0].token_ids == c.outputs[0].token_ids  # seeded: reproducible
+        if i != 1:  # greedy: the plain tokens
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert llm.llm_engine.stats.spec_total.num_draft_tokens > 0
+
+
+def test_bad_draft_models_are_value_errors(tiny_llama_tok, tmp_path):
+    from tests.conftest import save_tiny_model
+
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(str(tiny_llama_tok), speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(str(tiny_llama_tok), speculative_config={"model": str(tmp_path / "missing")})
+    other_vocab = save_tiny_model(tmp_path / "v256", vocab_size=256)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(tiny_llama_tok), speculative_config={"model": str(other_vocab)})

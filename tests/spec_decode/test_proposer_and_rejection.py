@@ -33,7 +33,9 @@ class _State:
     def __init__(self, ids, **params):
         from pagedllm.sampling_params import SamplingParams
 
+        self.req_id = str(id(self))
         self.token_ids = ids
+        self.output_token_ids = []
         self.sampling_params = SamplingParams(**params)
         self.bad_words_token_ids = []
         self.spec_backoff = self.spec_skip = 0

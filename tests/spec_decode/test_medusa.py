@@ -1,0 +1,69 @@
+"""Medusa heads: trained by `pagedllm train-draft-head`, loaded by speculative_config, exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints import train_draft_head
+from pagedllm.entrypoints.cli import main
+from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaProposer
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_llama_tok, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heads")
+    with pytest.MonkeyPatch.context() as mp:  # the answers' cache goes to a temporary directory
+        mp.setattr(train_draft_head, "cache_dir", lambda: out / "cache")
+        assert main(_train_args(tiny_llama_tok, out)) == 0
+        assert len(list((out / "cache" / "draft-head-data").glob("*.json"))) == 1
+    return out
+
+
+def _train_args(model, out):
+    return ["train-draft-head", "--model", str(model), "--output", str(out), "--num-heads", "3",
+            "--num-prompts", "6", "--max-tokens", "24", "--epochs", "2", "--batch-size", "16", "--lr", "1e-2"]  # fmt: skip
+
+
+def test_training_writes_loadable_heads_that_learn(tiny_heads):
+    config = json.loads((tiny_heads / "config.json").read_text())
+    assert config["method"] == "medusa" and config["num_heads"] == 3 and config["hidden_size"] == 64
+    assert config["trained_on"]["positions"] > 6 * 10
+    heads = MedusaHeads.load(tiny_heads, 64, 49152)
+    assert any(h.weight.abs().sum() > 0 for h in heads.heads)  # moved away from the zero init
+    with pytest.raises(ValueError, match="hidden size"):
+        MedusaHeads.load(tiny_heads, 128, 49152)
+    with pytest.raises(ValueError, match="no Medusa heads"):
+        MedusaHeads.load(tiny_heads / "missing", 64, 49152)
+
+
+def test_proposer_chains_each_heads_argmax_within_limits():
+    heads = MedusaHeads(2, 4)
+    for i, h in enumerate(heads.heads):  # head i: h + SiLU(W h + b), W = 0, b = 3 e_i -> argmax i on an identity LM head
+        torch.nn.init.zeros_(h.weight)
+        h.bias.data = torch.zeros(4).index_fill_(0, torch.tensor([i]), 3.0)
+    p = MedusaProposer(heads, 2, lambda x: x)
+    hidden = torch.zeros(3, 4)
+    assert p.propose(["a", "b", "c"], [[1], [1], [1]], [2, 1, 0], hidden) == [[0, 1], [0], []]
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        MedusaProposer(heads, 3, lambda x: x)
+
+
+def test_medusa_drafts_keep_greedy_tokens(tiny_llama_tok, tiny_heads, default_tokenizer):
+    prompts = [default_tokenizer.encode(t) for t in ["Hello, my name is", "one two three one two three", "The cat"]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    plain = LLM(str(tiny_llama_tok), **kwargs).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = LLM(str(tiny_llama_tok), speculative_config={"method": "medusa", "model": str(tiny_heads)}, **kwargs)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert llm.llm_engine.stats.spec_total.num_draft_tokens > 0
+
+
+def test_shipped_heads_fit_the_default_model():
+    config = json.loads((DEFAULT_MEDUSA / "config.json").read_text())
+    assert (config["method"], config["hidden_size"], config["vocab_size"]) == ("medusa", 576, 49152)
+    assert (DEFAULT_MEDUSA / "heads.safetensors").stat().st_size < 8 << 20  # a few MB
