@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.kv_connector.base import KVConnectorStats
 from pagedllm.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("pagedllm.engine")
@@ -59,6 +60,7 @@ class StepStats:
     num_prefix_hits: int = 0
     num_uncacheable_tokens: int = 0
     spec: SpecDecodeStats | None = None  # None: no drafts verified this step
+    kv_connector: KVConnectorStats | None = None  # None: no connector, or it did nothing
 
 
 class StatsLogger:

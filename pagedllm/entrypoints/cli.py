@@ -43,6 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
+    g.add_argument("--kv-transfer-config", default=None, help='KV connector as JSON, vLLM\'s shape, e.g. \'{"kv_connector": "disk", "kv_role": "kv_both", "path": "/var/cache/pagedllm-kv"}\': a prefix cache that survives restarts and is shared by replicas, or disaggregated prefill (kv_producer) / decode (kv_consumer) (keys: kv_connector, kv_role, path, max_bytes, wait_for_save; docs/kv_connector.md) (default: off)')
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
