@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(serve)
     serve.set_defaults(func=_serve)
 
+    proxy = sub.add_parser("disagg-proxy", help="disaggregated prefill/decode: a proxy in front of a prefill and a decode server")
+    from pagedllm.entrypoints.disagg_proxy import add_proxy_args, run_proxy
+
+    add_proxy_args(proxy)
+    proxy.set_defaults(func=run_proxy)
+
     demo = sub.add_parser("demo", help="offline generation demo over a few chat prompts")
     add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
