@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_serve.add_args(sv)
     sv.set_defaults(func=lambda a: bench_serve.run(a) and 0)
+    kvb = bench.add_parser("kv-connector", help="KV connector: TTFT across a server restart (restart); single instance vs prefill/decode pair (pd)")
+    from pagedllm.bench import kv_connector as bench_kv
+
+    bench_kv.add_args(kvb)
+    kvb.set_defaults(func=lambda a: bench_kv.run(a) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
