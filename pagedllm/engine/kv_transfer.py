@@ -35,7 +35,8 @@ def attach_kv_connector(config: EngineConfig, weights_path: Path, scheduler: Sch
     groups = runner.layout.groups
     if len(groups) != 1 or groups[0].window is not None:
         raise ValueError("kv_transfer_config: models with sliding-window layers are not supported yet")
-    connector = make_kv_connector(kv_config, model_fingerprint(config, weights_path, runner), config.block_size)
+    block_bytes = sum(t[0].numel() * t.element_size() for t in runner.block_tensors())
+    connector = make_kv_connector(kv_config, model_fingerprint(config, weights_path, runner), config.block_size, block_bytes)
     scheduler.kv_connector = connector.scheduler
     runner.kv_connector = connector.worker
     return connector

@@ -51,13 +51,14 @@ class KVConnector:
         self.store.close()
 
 
-def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, block_size: int) -> KVConnector:
+def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, block_size: int, block_bytes: int) -> KVConnector:
+    """``block_bytes``: one block's payload (every block-indexed KV tensor's bytes of one block)."""
     stats = StatsBox()
     if config.kv_connector != "disk":  # KVTransferConfig validated the name
         raise ValueError(f"kv_transfer_config.kv_connector {config.kv_connector!r} is unknown")
     store = DiskKVStore(config.path, fingerprint.digest, fingerprint.id, config.max_bytes, stats)
     saver = BlockSaver(store, stats) if config.saves else None
-    connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, stats),
+    connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, block_bytes, stats),
                             WorkerConnector(saver, stats), saver)  # fmt: skip
     # An offline run that ends without close() still writes what it queued.
     ref = weakref.ref(connector)

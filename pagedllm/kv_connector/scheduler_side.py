@@ -40,10 +40,11 @@ class _Lookup:
 
 
 class SchedulerConnector:
-    def __init__(self, store: KVStore, config: KVTransferConfig, block_size: int, stats: StatsBox):
+    def __init__(self, store: KVStore, config: KVTransferConfig, block_size: int, block_bytes: int, stats: StatsBox):
         self.store = store
         self.config = config
         self.block_size = block_size
+        self.block_bytes = block_bytes  # a payload's length: anything else is never loaded
         self.stats = stats
         self._pending: OrderedDict[str, _Lookup] = OrderedDict()
         self._loads: list[RequestLoad] = []
@@ -61,6 +62,9 @@ class SchedulerConnector:
             payloads = []
             for h in hashes[first:last]:
                 payload = self.store.get(h)
+                if payload is not None and len(payload) != self.block_bytes:  # same fingerprint: only if forged
+                    self.stats.update(num_rejected_blocks=1)
+                    payload = None
                 if payload is None:
                     break
                 payloads.append(payload)

@@ -154,7 +154,7 @@ class Scheduler:
             self.waiting.pop()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-                req.num_cached_tokens = num_computed
+                req.num_cached_tokens = num_computed + num_external  # (the prefix-cache stats: local hits)
                 bs = self.kv.block_size
                 out.num_prefix_queries += req.num_tokens
                 out.num_prefix_hits += num_computed
