@@ -132,21 +132,31 @@ class WorkerConnector:
             return
         views = block_views(tensors)
         width = sum(v.shape[1] for v in views)
+        on_cpu = all(v.device.type == "cpu" for v in views)
         for rl in meta.loads:
             t0 = time.perf_counter()
-            blob = torch.empty((len(rl.payloads), width), dtype=torch.uint8)
-            rows = blob.numpy()
-            for i, payload in enumerate(rl.payloads):
-                if len(payload) != width:  # the fingerprint's layout makes this impossible
-                    raise ValueError(f"KV connector: payload of {len(payload)} bytes for blocks of {width}")
-                rows[i] = np.frombuffer(payload, dtype=np.uint8)
-            ids = torch.tensor(rl.block_ids, dtype=torch.int64)
-            offset = 0
-            for v in views:
-                w = v.shape[1]
-                v.index_copy_(0, ids.to(v.device), blob[:, offset : offset + w].to(v.device))
-                offset += w
-            self.stats.update(num_loaded_blocks=len(rl.block_ids), num_loaded_bytes=blob.numel())
+            if any(len(p) != width for p in rl.payloads):  # the scheduler side checked; never load a misfit
+                raise ValueError(f"KV connector: a payload is not {width} bytes long")
+            if on_cpu:
+                # Straight from each payload into each tensor's block: plain memcpys, no staging
+                # copy and no torch indexing kernel (uint8 index_copy_ runs ~40x slower).
+                dst = [v.numpy() for v in views]
+                for block_id, payload in zip(rl.block_ids, rl.payloads):
+                    src = np.frombuffer(payload, dtype=np.uint8)
+                    offset = 0
+                    for d in dst:
+                        w = d.shape[1]
+                        d[block_id] = src[offset : offset + w]
+                        offset += w
+            else:
+                blob = torch.from_numpy(np.stack([np.frombuffer(p, dtype=np.uint8) for p in rl.payloads]))
+                ids = torch.tensor(rl.block_ids, dtype=torch.int64)
+                offset = 0
+                for v in views:
+                    w = v.shape[1]
+                    v.index_copy_(0, ids.to(v.device), blob[:, offset : offset + w].to(v.device))
+                    offset += w
+            self.stats.update(num_loaded_blocks=len(rl.block_ids), num_loaded_bytes=width * len(rl.block_ids))
             self.stats.observe_load(rl.read_seconds + time.perf_counter() - t0)
 
     def save(self, meta: KVConnectorMetadata | None, req_ids: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
@@ -158,6 +168,12 @@ class WorkerConnector:
         if not saves:
             return
         views = block_views(tensors)
-        ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64)
-        blob = torch.cat([v[ids.to(v.device)].cpu() for v in views], dim=1)  # the copy out
+        width = sum(v.shape[1] for v in views)
+        blob = torch.empty((len(saves), width), dtype=torch.uint8)  # the copy out
+        rows, ids = blob.numpy(), np.array([s.block_id for s in saves], dtype=np.int64)
+        offset = 0
+        for v in views:
+            w = v.shape[1]
+            rows[:, offset : offset + w] = v.numpy()[ids] if v.device.type == "cpu" else v[torch.from_numpy(ids).to(v.device)].cpu().numpy()
+            offset += w
         self.saver.submit([(s.block_hash, blob[i]) for i, s in enumerate(saves)])
