@@ -151,3 +151,12 @@ def test_only_verified_tokens_are_saved(tiny_llama, tmp_path):
         chain.add(parent.hex())
     saved = {p.stem for p in store.rglob("*.kvb")}
     assert saved and saved <= chain
+
+
+def test_two_live_replicas_share_a_directory(tiny_llama, cold, tmp_path):
+    """The second replica started before the first saved anything: it finds the blocks by name."""
+    store = tmp_path / "shared"
+    first, second = make_llm(tiny_llama, store), make_llm(tiny_llama, store)
+    assert run(first) == cold
+    assert run(second) == cold
+    assert totals(second).num_hit_blocks == 11 and totals(second).num_rejected_blocks == 0
