@@ -9,6 +9,10 @@ ratio, and whether the answers are identical (greedy).
 fixed Poisson rate, against one instance, then against a prefill + decode pair behind
 ``pagedllm disagg-proxy`` (the store on ``--store``, default under /dev/shm). Every server
 runs with ``PAGEDLLM_NUM_THREADS=--threads`` (default 1). Prints TTFT and TPOT percentiles.
+
+``transport``: the P/D design choice, measured without a model: moving one ``--input-len``
+prompt's blocks of the default model (737,280 bytes per 16-token block) through the disk store
+on /dev/shm and on ``--store`` (a disk; fsync on), against a TCP transfer over loopback.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ FACT = ("Policy {i}: support agents answer politely, cite the knowledge base art
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("mode", choices=["restart", "pd"])
+    p.add_argument("mode", choices=["restart", "pd", "transport"])
     p.add_argument("--model", default=None, help="model for every server (default: the embedded one)")
     p.add_argument("--store", default=None, help="store directory (default: a fresh temporary one; pd: under /dev/shm)")
     p.add_argument("--threads", type=int, default=None, help="PAGEDLLM_NUM_THREADS of each server (pd default: 1)")
@@ -177,5 +181,58 @@ def _pd(args: argparse.Namespace) -> dict:
     return report(result, "\n".join(lines), args.save_result)
 
 
+def _transport(args: argparse.Namespace) -> dict:
+    import threading
+
+    import numpy as np
+
+    from pagedllm.kv_connector.disk_store import DiskKVStore
+
+    block_bytes, n = 737_280, args.input_len // 16
+    payloads = [np.random.default_rng(i).integers(0, 255, block_bytes, dtype=np.uint8) for i in range(n)]
+    hashes = [i.to_bytes(32, "big") for i in range(n)]
+    result: dict = {"cpu": cpu_name(), "blocks": n, "mib": n * block_bytes / (1 << 20)}
+    for name, parent in (("store_dev_shm", "/dev/shm"), ("store_disk_fsync", args.store or tempfile.gettempdir())):
+        root = tempfile.mkdtemp(prefix="pagedllm-kv-transport-", dir=parent)
+        store = DiskKVStore(root, b"\0" * 32, "bench", 1 << 40)
+        t0 = time.perf_counter()
+        for h, p in zip(hashes, payloads):
+            store.put(h, memoryview(p))
+        t1 = time.perf_counter()
+        got = [store.get(h) for h in hashes]
+        t2 = time.perf_counter()
+        assert all(g is not None for g in got)
+        result[name] = {"write_s": t1 - t0, "read_verify_s": t2 - t1}
+        shutil.rmtree(root, ignore_errors=True)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+
+        def send() -> None:
+            with socket.create_connection(server.getsockname()) as c:
+                for p in payloads:
+                    c.sendall(len(p).to_bytes(8, "little"))
+                    c.sendall(memoryview(p))
+
+        t0 = time.perf_counter()
+        sender = threading.Thread(target=send)
+        sender.start()
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(n):
+                size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+                buf = bytearray(size)
+                view, got = memoryview(buf), 0
+                while got < size:
+                    got += conn.recv_into(view[got:])
+        sender.join()
+        result["tcp_loopback_s"] = time.perf_counter() - t0
+    shm, disk = result["store_dev_shm"], result["store_disk_fsync"]
+    line = (f"{n} blocks ({result['mib']:.0f} MiB): store on /dev/shm write {shm['write_s'] * 1e3:.0f} ms + read/verify "
+            f"{shm['read_verify_s'] * 1e3:.0f} ms; on disk with fsync write {disk['write_s'] * 1e3:.0f} ms + read/verify "
+            f"{disk['read_verify_s'] * 1e3:.0f} ms; TCP loopback {result['tcp_loopback_s'] * 1e3:.0f} ms")  # fmt: skip
+    return report(result, line, args.save_result)
+
+
 def run(args: argparse.Namespace) -> dict:
-    return _restart(args) if args.mode == "restart" else _pd(args)
+    return {"restart": _restart, "pd": _pd, "transport": _transport}[args.mode](args)

@@ -48,8 +48,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request as the prefill instance gets it: one token, no stream, one sample."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "best_of")}
     out.update(max_tokens=1, stream=False, n=1)
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
+    for key in ("max_completion_tokens", "min_tokens"):  # (min_tokens > max_tokens would be refused)
+        if key in out:
+            out[key] = 1 if key == "max_completion_tokens" else 0
     return out
 
 

@@ -28,6 +28,9 @@ class KVStore(ABC):
     def put(self, block_hash: bytes, payload: memoryview) -> bool:
         """Store a payload durably; False when it was already there."""
 
+    def release(self, payload: memoryview) -> None:
+        """``get``'s payload is no longer used (its buffer may be reused)."""
+
     def close(self) -> None:
         """Release resources (the saver thread is drained before)."""
 

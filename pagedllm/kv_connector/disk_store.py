@@ -29,6 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from pagedllm.kv_connector.base import KVStore, StatsBox
+from pagedllm.kv_connector.buffers import BufferPool
 
 logger = logging.getLogger("pagedllm.kv_connector")
 
@@ -67,13 +68,14 @@ def check_block_file(data: bytes, fingerprint: bytes, block_hash: bytes) -> str 
 
 class DiskKVStore(KVStore):
     def __init__(self, path: str | Path, fingerprint: bytes, fingerprint_id: str, max_bytes: int,
-                 stats: StatsBox | None = None, fsync: bool = True):  # fmt: skip
+                 stats: StatsBox | None = None, fsync: bool = True, buffers: BufferPool | None = None):  # fmt: skip
         self.root = Path(path)
         self.dir = self.root / fingerprint_id
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self.stats = stats or StatsBox()
         self.fsync = fsync
+        self.buffers = buffers or BufferPool()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -143,9 +145,14 @@ class DiskKVStore(KVStore):
     def get(self, block_hash: bytes) -> memoryview | None:
         path = self.path_of(block_hash)
         key = str(path)
+        data = None
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                data = self.buffers.take(size)
+                n = f.readinto(data)
+            if n != size:  # shrank while we read: a torn view, never used
+                data = data[:n]
         except FileNotFoundError:
             self._forget(key)
             return None
@@ -154,6 +161,7 @@ class DiskKVStore(KVStore):
             return None
         problem = check_block_file(data, self.fingerprint, block_hash)
         if problem is not None:
+            self.buffers.give(data)
             logger.warning("KV store: ignoring %s (%s); its tokens are recomputed", path, problem)
             self.stats.update(num_rejected_blocks=1)
             self._forget(key)
@@ -165,6 +173,9 @@ class DiskKVStore(KVStore):
             pass
         self._remember(key, len(data))
         return memoryview(data)[HEADER.size :]
+
+    def release(self, payload: memoryview) -> None:
+        self.buffers.give_view(payload)
 
     def put(self, block_hash: bytes, payload: memoryview) -> bool:
         path = self.path_of(block_hash)

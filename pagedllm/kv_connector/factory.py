@@ -59,7 +59,7 @@ def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, b
     store = DiskKVStore(config.path, fingerprint.digest, fingerprint.id, config.max_bytes, stats)
     saver = BlockSaver(store, stats) if config.saves else None
     connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, block_bytes, stats),
-                            WorkerConnector(saver, stats), saver)  # fmt: skip
+                            WorkerConnector(saver, stats, store), saver)  # fmt: skip
     # An offline run that ends without close() still writes what it queued.
     ref = weakref.ref(connector)
     atexit.register(lambda: (c := ref()) is not None and c.close(timeout=30.0))

@@ -64,15 +64,23 @@ class SchedulerConnector:
                 payload = self.store.get(h)
                 if payload is not None and len(payload) != self.block_bytes:  # same fingerprint: only if forged
                     self.stats.update(num_rejected_blocks=1)
+                    self.store.release(payload)
                     payload = None
                 if payload is None:
                     break
                 payloads.append(payload)
             found = _Lookup(num_computed_tokens, max(0, last - first), payloads, time.perf_counter() - t0)
+            if req.request_id in self._pending:
+                self._drop(req.request_id)
             self._pending[req.request_id] = found
             while len(self._pending) > MAX_PENDING_LOOKUPS:
-                self._pending.popitem(last=False)
+                self._drop(next(iter(self._pending)))
         return len(found.payloads) * bs
+
+    def _drop(self, req_id: str) -> None:
+        """Forget a lookup that will not be loaded; its payload buffers go back to the store."""
+        for payload in self._pending.pop(req_id).payloads:
+            self.store.release(payload)
 
     def on_allocated(self, req_id: str, block_ids: list[int]) -> None:
         """The request was admitted with its looked-up tokens counted as computed: its
@@ -92,7 +100,7 @@ class SchedulerConnector:
         meta = KVConnectorMetadata(loads=self._loads)
         self._loads = []
         for req_id in [r for r in self._pending if r not in requests]:
-            del self._pending[req_id]
+            self._drop(req_id)
         if self.config.saves:
             bs = self.block_size
             for s in out.scheduled:

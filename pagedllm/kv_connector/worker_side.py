@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pagedllm.kv_connector.base import KVConnectorMetadata, KVStore, StatsBox
+from pagedllm.kv_connector.buffers import BufferPool
 
 logger = logging.getLogger("pagedllm.kv_connector")
 
@@ -59,17 +60,19 @@ class BlockSaver:
         self._thread = threading.Thread(target=self._run, name="pagedllm-kv-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
-        """Queue payloads (each a 1-D uint8 tensor the caller no longer writes to)."""
-        nbytes = sum(p.numel() for _, p in items)
+    def submit(self, items: list[tuple[bytes, memoryview]], buffer: bytearray | None = None, pool: BufferPool | None = None) -> bool:
+        """Queue payloads (views the caller no longer writes to); once written, ``buffer`` (under
+        them all) goes back to ``pool``. False when the backlog is full (nothing queued)."""
+        nbytes = sum(len(p) for _, p in items)
         with self._cond:
             if self._backlog + nbytes > self.max_backlog_bytes:
                 self.stats.update(num_dropped_saves=len(items))
-                return
+                return False
             self._backlog += nbytes
             self._queued += 1
             seq = self._queued
-        self._queue.put((seq, items, nbytes))
+        self._queue.put((seq, (items, buffer, pool), nbytes))
+        return True
 
     def when_saved(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from the saver thread, or now) once everything queued so far is written."""
@@ -90,17 +93,21 @@ class BlockSaver:
 
     def _run(self) -> None:
         while True:
-            seq, items, nbytes = self._queue.get()
+            seq, batch, nbytes = self._queue.get()
             if seq is None:
                 return
+            items, buffer, pool = batch
             saved = saved_bytes = 0
             for block_hash, payload in items:
                 try:
-                    if self.store.put(block_hash, memoryview(payload.numpy())):
+                    if self.store.put(block_hash, payload):
                         saved += 1
-                        saved_bytes += payload.numel()
+                        saved_bytes += len(payload)
                 except Exception as e:  # a full disk must not take the engine down
                     logger.warning("KV store: saving a block failed: %s: %s", type(e).__name__, e)
+            del items
+            if buffer is not None and pool is not None:
+                pool.give(buffer)
             self.stats.update(num_saved_blocks=saved, num_saved_bytes=saved_bytes)
             with self._cond:
                 self._backlog -= nbytes
@@ -122,9 +129,11 @@ class BlockSaver:
 
 
 class WorkerConnector:
-    def __init__(self, saver: BlockSaver | None, stats: StatsBox):
+    def __init__(self, saver: BlockSaver | None, stats: StatsBox, store: KVStore, buffers: BufferPool | None = None):
         self.saver = saver
         self.stats = stats
+        self.store = store  # loaded payloads go back to it (their buffers are reused)
+        self.buffers = buffers or BufferPool()  # copy-out buffers, back from the saver once written
 
     def load(self, meta: KVConnectorMetadata | None, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the step's payloads into their blocks (before anything reads them)."""
@@ -156,6 +165,9 @@ class WorkerConnector:
                     w = v.shape[1]
                     v.index_copy_(0, ids.to(v.device), blob[:, offset : offset + w].to(v.device))
                     offset += w
+            for payload in rl.payloads:
+                self.store.release(payload)
+            rl.payloads = []
             self.stats.update(num_loaded_blocks=len(rl.block_ids), num_loaded_bytes=width * len(rl.block_ids))
             self.stats.observe_load(rl.read_seconds + time.perf_counter() - t0)
 
@@ -169,11 +181,18 @@ class WorkerConnector:
             return
         views = block_views(tensors)
         width = sum(v.shape[1] for v in views)
-        blob = torch.empty((len(saves), width), dtype=torch.uint8)  # the copy out
-        rows, ids = blob.numpy(), np.array([s.block_id for s in saves], dtype=np.int64)
+        buffer = self.buffers.take(len(saves) * width)  # the copy out, into reused memory
+        rows = np.frombuffer(buffer, dtype=np.uint8).reshape(len(saves), width)
+        ids = np.array([s.block_id for s in saves], dtype=np.int64)
         offset = 0
         for v in views:
             w = v.shape[1]
-            rows[:, offset : offset + w] = v.numpy()[ids] if v.device.type == "cpu" else v[torch.from_numpy(ids).to(v.device)].cpu().numpy()
+            if v.device.type == "cpu":  # straight into the buffer (no temporary: fresh memory faults)
+                np.take(v.numpy(), ids, axis=0, out=rows[:, offset : offset + w], mode="clip")
+            else:
+                rows[:, offset : offset + w] = v[torch.from_numpy(ids).to(v.device)].cpu().numpy()
             offset += w
-        self.saver.submit([(s.block_hash, blob[i]) for i, s in enumerate(saves)])
+        whole = memoryview(buffer)
+        items = [(s.block_hash, whole[i * width : (i + 1) * width]) for i, s in enumerate(saves)]
+        if not self.saver.submit(items, buffer, self.buffers):
+            self.buffers.give(buffer)

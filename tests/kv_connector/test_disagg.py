@@ -110,3 +110,12 @@ def test_killing_the_prefill_instance_loses_no_request(pd, reference):
     assert texts == reference[10:]
     stats = httpx.get(f"{proxy.url}/proxy_stats").json()
     assert stats["prefill_failed"] > 0 and stats["requests"] == 20
+
+
+def test_prefill_body():
+    from pagedllm.entrypoints.disagg_proxy import prefill_body
+
+    body = {"messages": [], "max_completion_tokens": 50, "min_tokens": 5, "n": 3, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.7}  # fmt: skip
+    assert prefill_body(body) == {"messages": [], "max_completion_tokens": 1, "min_tokens": 0, "n": 1, "stream": False,
+                                  "max_tokens": 1, "temperature": 0.7}  # fmt: skip

@@ -121,3 +121,20 @@ def test_an_unwritable_path_is_a_value_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="kv_transfer_config.path"):
         store(blocker / "sub")
+
+
+def test_payload_buffers_are_reused(tmp_path):
+    from pagedllm.kv_connector.buffers import BufferPool
+
+    s = DiskKVStore(tmp_path, FP, "fp", 1 << 30, buffers=BufferPool(max_cached_bytes=2 * (HEADER.size + 1000)))
+    for i in range(3):
+        s.put(h(i), payload(i))
+    first = s.get(h(0))
+    under = first.obj
+    s.release(first)
+    second = s.get(h(1))
+    assert second.obj is under and bytes(second) == bytes(payload(1))  # the same memory, new contents
+    views = [s.get(h(i)) for i in range(3)]
+    for v in views:
+        s.release(v)
+    assert s.buffers._cached == 2 * (HEADER.size + 1000)  # the cap: the third is let go
