@@ -98,17 +98,20 @@ class BlockSaver:
                 return
             items, buffer, pool = batch
             saved = saved_bytes = 0
-            for block_hash, payload in items:
-                try:
-                    if self.store.put(block_hash, payload):
-                        saved += 1
-                        saved_bytes += len(payload)
-                except Exception as e:  # a full disk must not take the engine down
-                    logger.warning("KV store: saving a block failed: %s: %s", type(e).__name__, e)
-            del items
-            if buffer is not None and pool is not None:
-                pool.give(buffer)
-            self.stats.update(num_saved_blocks=saved, num_saved_bytes=saved_bytes)
+            try:
+                for block_hash, payload in items:
+                    try:
+                        if self.store.put(block_hash, payload):
+                            saved += 1
+                            saved_bytes += len(payload)
+                    except Exception as e:  # a full disk must not take the engine down
+                        logger.warning("KV store: saving a block failed: %s: %s", type(e).__name__, e)
+                del items
+                if buffer is not None and pool is not None:
+                    pool.give(buffer)
+                self.stats.update(num_saved_blocks=saved, num_saved_bytes=saved_bytes)
+            except BaseException:  # whatever happens, the batch counts as done: held answers go out
+                logger.exception("KV saver: a batch failed")
             with self._cond:
                 self._backlog -= nbytes
                 self._done = seq
