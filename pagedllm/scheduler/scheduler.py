@@ -6,7 +6,8 @@ are admitted while ``max_num_seqs``, the token budget and free KV blocks allow. 
 prompt that does not fit the budget runs in chunks over several steps (chunked prefill).
 
 A request starting out first adopts the longest chain of prefix-cached blocks matching its
-tokens, so only the rest counts against the budget. ``long_prefill_token_threshold`` caps one
+tokens, so only the rest counts against the budget (with a KV connector, then the blocks its
+store supplies: kv_connector/). ``long_prefill_token_threshold`` caps one
 request's chunk per step so that several long prompts progress together.
 
 When a running request cannot get a block, a victim chosen by the policy (fcfs: the most
@@ -132,11 +133,15 @@ class Scheduler:
             swapped = req.status is RequestStatus.SWAPPED
             # Prompt logprobs need every prompt position computed: no cache hits for them.
             wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
-            starting = req.num_computed_tokens == 0 and not wants_prompt_logprobs
-            hits = self.kv.get_computed_blocks(req.request_id, req.all_token_ids) if starting else []
+            hits = (
+                self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+                if req.num_computed_tokens == 0 and not wants_prompt_logprobs
+                else []
+            )
             num_computed = req.num_computed_tokens + len(hits) * self.kv.block_size
             # Tokens after the local hits whose KV the connector's store supplies (loaded, not run).
-            num_external = self.kv_connector.lookup(req, num_computed, self.kv) if self.kv_connector and starting else 0
+            starting = self.kv_connector is not None and req.num_computed_tokens == 0 and not wants_prompt_logprobs
+            num_external = self.kv_connector.lookup(req, num_computed, self.kv) if starting else 0
             n = self._chunk(req, num_computed + num_external, budget)
             if swapped and not self.kv.swap_in(req.request_id, num_computed + n):
                 refund = self._preempt_for(req, out)
