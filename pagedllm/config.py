@@ -141,6 +141,74 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# KV connector (vLLM's ``kv_transfer_config`` shape; the work is in kv_connector/).
+KV_CONNECTORS = ("disk",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+DEFAULT_KV_STORE_MAX_BYTES = 16 << 30
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Move KV blocks out of and into the engine by content hash (kv_connector/).
+
+    ``kv_role``: a producer saves the full blocks it computes, a consumer loads the blocks it
+    finds, ``kv_both`` does both (a prefix cache that survives restarts, shared by replicas).
+    ``path``: the store's directory (the disk connector); ``max_bytes``: its size cap, least
+    recently used blocks evicted first.
+    """
+
+    kv_connector: str = "disk"
+    kv_role: str = "kv_both"
+    path: str | None = None
+    max_bytes: int = DEFAULT_KV_STORE_MAX_BYTES
+    # A producer answers a request only once its blocks are in the store (so a consumer asked
+    # next finds them); None = on for kv_producer, off otherwise.
+    wait_for_save: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"kv_transfer_config.path must name the store's directory, got {self.path!r}")
+        if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 1:
+            raise ValueError(f"kv_transfer_config.max_bytes must be a positive integer, got {self.max_bytes!r}")
+        if self.wait_for_save is not None and not isinstance(self.wait_for_save, bool):
+            raise ValueError(f"kv_transfer_config.wait_for_save must be true, false or null, got {self.wait_for_save!r}")
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def holds_outputs(self) -> bool:
+        """Whether a finished request's last output waits for its saves."""
+        return self.kv_role == "kv_producer" if self.wait_for_save is None else self.wait_for_save and self.saves
+
+    @classmethod
+    def parse(cls, value: "KVTransferConfig | dict[str, Any] | str | None") -> "KVTransferConfig | None":
+        """From a dict, a JSON string (the CLI's) or an instance; None stays None."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. ``None`` means "derive it when the engine starts"
@@ -173,6 +241,9 @@ class EngineConfig:
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 3, ...}
     # (a dict, a JSON string or a SpeculativeConfig, parsed into the latter). None = off.
     speculative_config: Any = None
+    # KV connector, vLLM's shape: {"kv_connector": "disk", "kv_role": "kv_both", "path": ...}
+    # (a dict, a JSON string or a KVTransferConfig, parsed into the latter). None = off.
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -204,6 +275,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None and self.preemption_mode != "recompute":
+            # A request admitted with loaded blocks and swapped out in the same step would save
+            # its blocks before they are loaded; recompute gets them back from the store.
+            raise ValueError("kv_transfer_config needs preemption_mode='recompute'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,7 +20,7 @@ LAYERS = {
     "kernels": 0,
     "version": 1, "config": 1, "logger": 1, "sampling_params": 1, "outputs": 1,
     "request": 2,
-    "kv_cache": 3, "attention": 3, "sampler": 3, "quantization": 3,
+    "kv_cache": 3, "kv_connector": 3, "attention": 3, "sampler": 3, "quantization": 3,
     "scheduler": 4, "model": 4, "spec_decode": 4,
     "runner": 5, "tokenizer": 5, "structured_output": 5,
     "engine": 6,

@@ -193,6 +193,7 @@ class AsyncLLM:
         self._command(("stop",))
         self._thread.join(timeout=10)
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -295,7 +296,13 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            connector = self.engine.kv_connector
+            if out.finished and connector is not None and connector.config.holds_outputs:
+                # A producer answers once the request's blocks are in the store (a consumer asked
+                # next then finds them); the step itself never waits.
+                connector.when_saved(lambda s=stream, o=out: s.put(o))
+            else:
+                stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
 

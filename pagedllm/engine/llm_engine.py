@@ -17,6 +17,7 @@ from pagedllm.config import EngineConfig, matmul_dtype
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedllm.engine.kv_transfer import attach_kv_connector
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, beam_params_from
@@ -83,6 +84,7 @@ class LLMEngine:
                 speculative_config=config.speculative_config,
                 draft_model=draft,
             )
+        self.kv_connector = attach_kv_connector(config, self.source.path, self.scheduler, self.runner)
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]
@@ -294,6 +296,7 @@ class LLMEngine:
             num_prefix_hits=sched_out.num_prefix_hits,
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
             spec=spec,
+            kv_connector=self.kv_connector.take_stats() if self.kv_connector is not None else None,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
@@ -341,7 +344,8 @@ class LLMEngine:
         failed: dict[int, BaseException] = {}
 
         def run(indices: list[int]) -> None:
-            part = SchedulerOutput(scheduled=[out.scheduled[i] for i in indices], grammar=out.grammar)
+            part = SchedulerOutput(scheduled=[out.scheduled[i] for i in indices], grammar=out.grammar,
+                                   kv_connector_metadata=out.kv_connector_metadata)  # fmt: skip
             try:
                 self.faults.before_model_step(self._prompts(part))
                 res = self.runner.execute(part)
@@ -378,6 +382,11 @@ class LLMEngine:
             prompt_logprobs=prompt_lps,
             spec_token_ids=[results[i][2] for i in keep],
         )
+
+    def close(self) -> None:
+        """Finish background work (the KV connector's queued saves)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     @property
     def num_preemptions_total(self) -> int:

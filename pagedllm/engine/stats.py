@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.kv_connector.base import KVConnectorStats
 from pagedllm.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("pagedllm.engine")
@@ -59,6 +60,7 @@ class StepStats:
     num_prefix_hits: int = 0
     num_uncacheable_tokens: int = 0
     spec: SpecDecodeStats | None = None  # None: no drafts verified this step
+    kv_connector: KVConnectorStats | None = None  # None: no connector, or it did nothing
 
 
 class StatsLogger:
@@ -81,6 +83,7 @@ class StatsLogger:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._spec = SpecDecodeStats()
+        self._kv_connector = KVConnectorStats()
 
     def record(self, stats: StepStats) -> None:
         self._prompt_tokens += stats.num_prompt_tokens
@@ -95,6 +98,8 @@ class StatsLogger:
         if stats.spec is not None:
             self._spec.add(stats.spec)
             self.spec_total.add(stats.spec)
+        if stats.kv_connector is not None:
+            self._kv_connector.add(stats.kv_connector)
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed >= self.interval:
@@ -121,4 +126,12 @@ class StatsLogger:
                     spec.num_draft_tokens,
                     ", ".join(f"{n / spec.num_drafts:.3f}" for n in spec.accepted_per_pos),
                 )
+            kv = self._kv_connector
+            if kv != KVConnectorStats():
+                logger.info(
+                    "KV connector: store hit rate %.1f%% of %d blocks, loaded %d blocks (%.1f MiB), saved %d "
+                    "blocks (%.1f MiB), rejected %d, dropped %d",
+                    100 * kv.hit_rate, kv.num_queried_blocks, kv.num_loaded_blocks, kv.num_loaded_bytes / (1 << 20),
+                    kv.num_saved_blocks, kv.num_saved_bytes / (1 << 20), kv.num_rejected_blocks, kv.num_dropped_saves,
+                )  # fmt: skip
             self._reset(now)

@@ -42,7 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-dtype", default=defaults["activation_dtype"], choices=list(ACTIVATION_DTYPES), help="what the linears multiply: float32 = fp32 activations x the exact dequantized weights; int8 = fast mode for GGUF Q4_0/Q4_1/Q8_0 weights, activations quantized per 32-wide block and integer dot products (llama.cpp's scheme; not exact, see docs/quantization.md) (default: %(default)s)")
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
-    g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method = ngram | draft_model | medusa, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
+    g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method = ngram | draft_model | eagle | medusa, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
+    g.add_argument("--kv-transfer-config", default=None, help='KV connector as JSON, vLLM\'s shape, e.g. \'{"kv_connector": "disk", "kv_role": "kv_both", "path": "/var/cache/pagedllm-kv"}\': a prefix cache that survives restarts and is shared by replicas, or disaggregated prefill (kv_producer) / decode (kv_consumer) (keys: kv_connector, kv_role, path, max_bytes, wait_for_save; docs/kv_connector.md) (default: off)')
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
@@ -112,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(serve)
     serve.set_defaults(func=_serve)
 
+    proxy = sub.add_parser("disagg-proxy", help="disaggregated prefill/decode: a proxy in front of a prefill and a decode server")
+    from pagedllm.entrypoints.disagg_proxy import add_proxy_args, run_proxy
+
+    add_proxy_args(proxy)
+    proxy.set_defaults(func=run_proxy)
+
     demo = sub.add_parser("demo", help="offline generation demo over a few chat prompts")
     add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per demo answer (default: %(default)s)")
@@ -141,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_serve.add_args(sv)
     sv.set_defaults(func=lambda a: bench_serve.run(a) and 0)
+    kvb = bench.add_parser("kv-connector", help="KV connector: TTFT across a server restart (restart); single instance vs prefill/decode pair (pd)")
+    from pagedllm.bench import kv_connector as bench_kv
+
+    bench_kv.add_args(kvb)
+    kvb.set_defaults(func=lambda a: bench_kv.run(a) and 0)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -192,6 +192,11 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
+    def block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks (the prefix cache's keys; the KV
+        connector's too), computed once per request."""
+        return self._block_hashes(request_id, token_ids, num_tokens)
+
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
         """The longest cached prefix of the request's tokens, in whole blocks, usable by every group.
 

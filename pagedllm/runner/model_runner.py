@@ -21,6 +21,7 @@ from pagedllm.attention.kv_cache_dtype import (
     KVCacheSpec, KVPool, allocate_pool, cache_parts, carve_pool, pool_nbytes, resolve_kv_cache_dtype, zeros_on_first_touch,
 )  # fmt: skip
 from pagedllm.kv_cache.groups import KVCacheLayout
+from pagedllm.kv_connector.worker_side import WorkerConnector
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -120,6 +121,11 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
+        self.kv_connector: WorkerConnector | None = None  # set by the engine (kv_transfer_config)
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the KV pool indexed by block (what a block's bytes are)."""
+        return self._block_tensors(self.slot_caches)
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the step's diff: forget ended and preempted requests, learn new ones, move blocks."""
@@ -200,6 +206,8 @@ class ModelRunner:
         copies read their sources before a swap-in may reuse a block freed this step;
         swap-ins last overwrite whatever a withdrawn copy wrote.
         """
+        if self.kv_connector is not None:  # first (only fresh blocks; no swaps with a connector)
+            self.kv_connector.load(out.kv_connector_metadata, self.block_tensors())
         self._swap(out.swap_out, to_swap=True)
         self._copy_blocks(out.block_copies)
         self._swap(out.swap_in, to_swap=False)
@@ -267,6 +275,8 @@ class ModelRunner:
             self.backend,
             meta,
         )
+        if self.kv_connector is not None:  # the step's K/V is written: copy newly full blocks out
+            self.kv_connector.save(out.kv_connector_metadata, [s.req_id for s in sched], self.block_tensors())
 
         result = ModelRunnerOutput(req_ids=[s.req_id for s in sched], sampled=[[] for _ in sched], logprobs=[[] for _ in sched])
         self._prompt_logprobs(sched, states, order, query_start_loc, hidden, result)

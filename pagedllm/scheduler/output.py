@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.kv_connector.base import KVConnectorMetadata
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -79,6 +80,8 @@ class SchedulerOutput:
     num_uncacheable_tokens: int = 0  # beyond the last cacheable full block
     # Token masks for requests under a grammar that sample this step (engine-filled).
     grammar: GrammarBitmask | None = None
+    # KV connector: blocks to load before the forward, blocks to save after it (kv_connector/).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

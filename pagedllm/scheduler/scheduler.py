@@ -6,7 +6,8 @@ are admitted while ``max_num_seqs``, the token budget and free KV blocks allow. 
 prompt that does not fit the budget runs in chunks over several steps (chunked prefill).
 
 A request starting out first adopts the longest chain of prefix-cached blocks matching its
-tokens, so only the rest counts against the budget. ``long_prefill_token_threshold`` caps one
+tokens, so only the rest counts against the budget (with a KV connector, then the blocks its
+store supplies: kv_connector/). ``long_prefill_token_threshold`` caps one
 request's chunk per step so that several long prompts progress together.
 
 When a running request cannot get a block, a victim chosen by the policy (fcfs: the most
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from pagedllm.request import Request, RequestStatus
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager, abbrev
+from pagedllm.kv_connector.scheduler_side import SchedulerConnector
 from pagedllm.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedllm.scheduler.policy import WaitingQueue, outranks, pick_victim
 
@@ -55,6 +57,7 @@ class Scheduler:
         # KV counters (allocated, freed, cached hits) when the last step line was logged, and its step.
         self._log_marks: tuple[int, int, int] = (0, 0, 0)
         self._log_marks_step = -1
+        self.kv_connector: SchedulerConnector | None = None  # set by the engine (kv_transfer_config)
 
     # ----------------------------------------------------------------- admission
     def check_request(self, request: Request) -> None:
@@ -136,14 +139,17 @@ class Scheduler:
                 else []
             )
             num_computed = req.num_computed_tokens + len(hits) * self.kv.block_size
-            n = self._chunk(req, num_computed, budget)
+            # Tokens after the local hits whose KV the connector's store supplies (loaded, not run).
+            starting = self.kv_connector is not None and req.num_computed_tokens == 0 and not wants_prompt_logprobs
+            num_external = self.kv_connector.lookup(req, num_computed, self.kv) if starting else 0
+            n = self._chunk(req, num_computed + num_external, budget)
             if swapped and not self.kv.swap_in(req.request_id, num_computed + n):
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break
                 budget += refund
                 continue
-            if not self.kv.allocate_slots(req.request_id, num_computed, n, hits):
+            if not self.kv.allocate_slots(req.request_id, num_computed, num_external + n, hits):
                 assert not swapped  # swap_in reserved room for these tokens
                 refund = self._preempt_for(req, out)
                 if refund is None:
@@ -153,20 +159,24 @@ class Scheduler:
             self.waiting.pop()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-                req.num_cached_tokens = num_computed
+                req.num_cached_tokens = num_computed + num_external  # (the prefix-cache stats: local hits)
                 bs = self.kv.block_size
                 out.num_prefix_queries += req.num_tokens
                 out.num_prefix_hits += num_computed
                 out.num_uncacheable_tokens += req.num_tokens - (req.num_tokens - 1) // bs * bs
-            req.num_computed_tokens = num_computed
+            req.num_computed_tokens = num_computed + num_external
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n, new=True))
+            if self.kv_connector is not None:
+                self.kv_connector.on_allocated(req.request_id, out.scheduled[-1].block_ids)
             budget -= n
 
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.block_copies = self.kv.take_pending_copies()
         out.swap_out, out.swap_in = self.kv.take_pending_swaps()
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_meta(out, self.requests, self.kv)
         assert len(self.running) <= self.config.max_num_seqs
         assert budget == self.config.max_num_batched_tokens - out.num_scheduled_tokens >= 0
         if debug:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.engine.stats import StepStats
+from pagedllm.kv_connector.base import KVConnectorStats
 from pagedllm.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -20,6 +21,39 @@ if TYPE_CHECKING:
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class KVConnectorMetrics:
+    """The KV connector's counters (kv_connector/base.py KVConnectorStats). The store hit rate
+    is ``kv_connector_hit_blocks / kv_connector_queried_blocks`` (as vLLM's prefix-cache
+    metrics: two counters, so any window's rate can be computed)."""
+
+    def __init__(self, r: CollectorRegistry, labels: dict[str, str]):
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagedllm:kv_connector_{name}", doc, ["model_name"], registry=r).labels(**labels)
+
+        self.queried = counter("queried_blocks", "Blocks looked up in the KV store, beyond the local prefix cache.")
+        self.hits = counter("hit_blocks", "Blocks found in the KV store and verified.")
+        self.rejected = counter("rejected_blocks", "Block files found but torn, corrupt or another model's: ignored, recomputed.")
+        self.loaded = counter("loaded_blocks", "Blocks loaded from the KV store into the KV cache.")
+        self.loaded_bytes = counter("loaded_bytes", "Bytes loaded from the KV store.")
+        self.saved = counter("saved_blocks", "Blocks written to the KV store.")
+        self.saved_bytes = counter("saved_bytes", "Bytes written to the KV store.")
+        self.dropped = counter("dropped_saves", "Blocks not saved because the saver's backlog was full.")
+        self.load_latency = Histogram("pagedllm:kv_connector_load_seconds", "Per request: reading, verifying and loading its blocks from the KV store.",
+                                      ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+
+    def record(self, s: KVConnectorStats) -> None:
+        self.queried.inc(s.num_queried_blocks)
+        self.hits.inc(s.num_hit_blocks)
+        self.rejected.inc(s.num_rejected_blocks)
+        self.loaded.inc(s.num_loaded_blocks)
+        self.loaded_bytes.inc(s.num_loaded_bytes)
+        self.saved.inc(s.num_saved_blocks)
+        self.saved_bytes.inc(s.num_saved_bytes)
+        self.dropped.inc(s.num_dropped_saves)
+        for seconds in s.load_seconds:
+            self.load_latency.observe(seconds)
 
 
 class ServerMetrics:
@@ -69,6 +103,14 @@ class ServerMetrics:
             "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
             ["model_name", "position"], registry=r,
         )  # fmt: skip
+        self.kv_connector = KVConnectorMetrics(r, labels) if engine.kv_connector is not None else None
+        if engine.kv_connector is not None:
+            connector = engine.kv_connector
+            gauge("kv_connector_store_bytes", "Bytes of block files in the KV store (as this server knows them).",
+                  lambda: getattr(connector.store, "total_bytes", 0))  # fmt: skip
+            gauge("kv_connector_hit_rate", "Blocks found in the KV store / blocks looked up, since the start (0..1).",
+                  lambda: connector.stats.total.hit_rate)  # fmt: skip
+        self._engine = engine
         self._last_token_time: dict[str, float] = {}
         engine.stat_loggers.append(self)
         async_llm.output_hooks.append(self.on_output)
@@ -88,6 +130,8 @@ class ServerMetrics:
             self.spec_accepted.inc(stats.spec.num_accepted_tokens)
             for j, n in enumerate(stats.spec.accepted_per_pos):
                 self.spec_per_pos.labels(position=str(j), **self.labels).inc(n)
+        if stats.kv_connector is not None and self.kv_connector is not None:
+            self.kv_connector.record(stats.kv_connector)
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -112,4 +156,9 @@ class ServerMetrics:
                     self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
 
     def render(self) -> bytes:
+        connector = self._engine.kv_connector
+        if connector is not None and self.kv_connector is not None:  # saves finish between steps too
+            pending = connector.take_stats()
+            if pending is not None:
+                self.kv_connector.record(pending)
         return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""``pagedllm disagg-proxy``: disaggregated prefill/decode in front of two servers.
+
+Each completion request goes first to the prefill instance (a ``kv_producer``) with
+``max_tokens=1``: it computes the prompt's KV and answers once the blocks are in the shared
+store. Then the unchanged request goes to the decode instance (a ``kv_consumer`` on the same
+store), which loads the prompt's blocks instead of computing them, and its answer (streamed
+or not) is passed back as it comes - the pattern of vLLM's disaggregated-serving examples.
+
+The prefill leg is an optimisation, never a dependency: if the prefill instance is down,
+slow or answers with an error, the request goes to the decode instance anyway, which then
+computes the prompt itself. No request is lost to the producer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger("pagedllm.disagg_proxy")
+
+# Hop-by-hop and length headers are the proxy's own business, not the upstream's.
+_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+@dataclass
+class ProxyConfig:
+    prefill_url: str
+    decode_url: str
+    prefill_timeout: float = 600.0  # seconds for the whole prefill leg (a long prompt on a busy instance)
+    decode_timeout: float | None = None  # None: as long as the decode takes
+
+
+@dataclass
+class ProxyStats:
+    requests: int = 0
+    prefill_ok: int = 0
+    prefill_failed: int = 0  # the decode instance computed those prompts itself
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as the prefill instance gets it: one token, no stream, one sample."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "best_of")}
+    out.update(max_tokens=1, stream=False, n=1)
+    for key in ("max_completion_tokens", "min_tokens"):  # (min_tokens > max_tokens would be refused)
+        if key in out:
+            out[key] = 1 if key == "max_completion_tokens" else 0
+    return out
+
+
+def _error(status: int, message: str, type_: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": status}}, status_code=status)
+
+
+def build_proxy_app(config: ProxyConfig) -> FastAPI:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(config.decode_timeout, connect=10.0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="pagedllm disagg-proxy", lifespan=lifespan)
+    stats = ProxyStats()
+    app.state.stats = stats
+    prefill_url, decode_url = config.prefill_url.rstrip("/"), config.decode_url.rstrip("/")
+
+    def forward_headers(request: Request) -> dict[str, str]:
+        auth = request.headers.get("authorization")
+        return {"authorization": auth} if auth else {}
+
+    async def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        try:
+            r = await client.post(prefill_url + path, json=prefill_body(body), headers=headers, timeout=config.prefill_timeout)
+        except httpx.HTTPError as e:
+            stats.prefill_failed += 1
+            logger.warning("prefill instance unreachable (%s: %s); the decode instance computes the prompt", type(e).__name__, e)
+            return
+        if r.status_code != 200:
+            stats.prefill_failed += 1
+            logger.warning("prefill instance answered %d; the decode instance computes the prompt", r.status_code)
+            return
+        stats.prefill_ok += 1
+
+    async def relay(path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return _error(400, f"request body is not valid JSON: {e}", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "BadRequestError")
+        stats.requests += 1
+        headers = forward_headers(request)
+        await prefill(path, body, headers)
+        try:
+            upstream = await client.send(client.build_request("POST", decode_url + path, json=body, headers=headers), stream=True)
+        except httpx.HTTPError as e:
+            logger.error("decode instance unreachable: %s: %s", type(e).__name__, e)
+            return _error(503, f"the decode instance is unreachable: {type(e).__name__}", "ServiceUnavailableError")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+        return StreamingResponse(chunks(), status_code=upstream.status_code, headers=kept)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await relay("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await relay("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        r = await client.get(decode_url + "/v1/models", headers=forward_headers(request))
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            r = await client.get(decode_url + "/health", timeout=5.0)
+        except httpx.HTTPError:
+            return Response(status_code=503)
+        return Response(status_code=r.status_code)
+
+    @app.get("/proxy_stats")
+    async def proxy_stats() -> dict:
+        return {"requests": stats.requests, "prefill_ok": stats.prefill_ok, "prefill_failed": stats.prefill_failed}
+
+    return app
+
+
+def add_proxy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", required=True, help="URL of the prefill instance (pagedllm serve with kv_role kv_producer)")
+    parser.add_argument("--decode", required=True, help="URL of the decode instance (kv_role kv_consumer, the same store)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--prefill-timeout", type=float, default=600.0, help="seconds the prefill leg may take before the decode instance computes the prompt itself (default: %(default)s)")
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.logger import configure_logging
+
+    configure_logging()
+    for name, url in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
+    if args.prefill_timeout <= 0:
+        raise ValueError(f"--prefill-timeout must be positive, got {args.prefill_timeout}")
+    app = build_proxy_app(ProxyConfig(args.prefill, args.decode, args.prefill_timeout))
+    logger.info("disagg-proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

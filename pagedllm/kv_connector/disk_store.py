@@ -1,0 +1,208 @@
+"""The ``disk`` store: one file per block in a directory, a size cap, crash-safe writes.
+
+Layout: ``<path>/<fingerprint id>/<2 hex>/<block hash hex>.kvb``. Each file is a header -
+magic, the model fingerprint, the block hash, the payload's length and CRC-32, and the
+header's own CRC-32 - then the payload (the block's bytes, see worker_side.py). A file is
+written under a temporary name in the same directory, fsynced, then renamed into place: a
+reader sees a whole file or none, never a torn one. A file whose header or payload does not
+check out (a flipped byte, a truncated copy, another model's block under this name) is
+ignored - those tokens are recomputed - and removed so a good copy can take its place.
+
+The index is in memory: every block file under ``path`` by last use, rebuilt from the
+directory (file mtimes) at startup, so LRU order survives restarts; a hit touches the
+file's mtime. The directory stays the source of truth: a block another replica wrote is
+found by its name even before this index knows it. Past ``max_bytes`` the least recently
+used files are deleted (with replicas sharing a directory each enforces the cap on what it
+knows, so the total can briefly exceed it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+from pagedllm.kv_connector.base import KVStore, StatsBox
+from pagedllm.kv_connector.buffers import BufferPool
+
+logger = logging.getLogger("pagedllm.kv_connector")
+
+MAGIC = b"PGKVBLK1"
+# magic, fingerprint digest, block hash, payload length, payload CRC-32, header CRC-32
+HEADER = struct.Struct("<8s32s32sQII")
+SUFFIX = ".kvb"
+STALE_TMP_SECONDS = 600.0  # a temporary file this old is a crashed writer's leftover
+
+
+def encode_header(fingerprint: bytes, block_hash: bytes, payload: memoryview | bytes) -> bytes:
+    crc = zlib.crc32(payload)
+    head = HEADER.pack(MAGIC, fingerprint, block_hash, len(payload), crc, 0)
+    return head[:-4] + struct.pack("<I", zlib.crc32(head[:-4]))
+
+
+def check_block_file(data: bytes, fingerprint: bytes, block_hash: bytes) -> str | None:
+    """Why ``data`` is not a good block file for (fingerprint, block_hash), or None if it is."""
+    if len(data) < HEADER.size:
+        return "shorter than its header"
+    magic, fp, h, length, crc, head_crc = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        return "bad magic"
+    if zlib.crc32(data[: HEADER.size - 4]) != head_crc:
+        return "header checksum mismatch"
+    if fp != fingerprint:
+        return "written for another model fingerprint"
+    if h != block_hash:
+        return "written for another block hash"
+    if length != len(data) - HEADER.size:
+        return f"payload is {len(data) - HEADER.size} bytes, header says {length}"
+    if zlib.crc32(memoryview(data)[HEADER.size :]) != crc:
+        return "payload checksum mismatch"
+    return None
+
+
+class DiskKVStore(KVStore):
+    def __init__(self, path: str | Path, fingerprint: bytes, fingerprint_id: str, max_bytes: int,
+                 stats: StatsBox | None = None, fsync: bool = True, buffers: BufferPool | None = None):  # fmt: skip
+        self.root = Path(path)
+        self.dir = self.root / fingerprint_id
+        self.fingerprint = fingerprint
+        self.max_bytes = max_bytes
+        self.stats = stats or StatsBox()
+        self.fsync = fsync
+        self.buffers = buffers or BufferPool()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_transfer_config.path {str(path)!r} is not a writable directory: {e}") from None
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # file path -> size, least recently used first
+        self.total_bytes = 0
+        self._scan()
+
+    # ------------------------------------------------------------------ index
+    def _scan(self) -> None:
+        """Index every block file under the root (all fingerprints share the cap) by mtime;
+        delete crashed writers' temporary files."""
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for dirpath, _, names in os.walk(self.root):
+            for name in names:
+                full = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                if name.endswith(SUFFIX):
+                    found.append((st.st_mtime, full, st.st_size))
+                elif name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
+                    _unlink(full)
+        found.sort()
+        for _, full, size in found:
+            self._index[full] = size
+            self.total_bytes += size
+        if found:
+            logger.info("KV store %s: %d block files, %.1f MiB (cap %.1f MiB)", self.root, len(found),
+                        self.total_bytes / (1 << 20), self.max_bytes / (1 << 20))  # fmt: skip
+
+    def _remember(self, path: str, size: int) -> None:
+        with self._lock:
+            old = self._index.pop(path, None)
+            self.total_bytes += size - (old or 0)
+            self._index[path] = size
+            victims = []
+            while self.total_bytes > self.max_bytes and self._index:
+                victim, vsize = self._index.popitem(last=False)
+                self.total_bytes -= vsize
+                victims.append(victim)
+        for victim in victims:
+            _unlink(victim)
+
+    def _forget(self, path: str) -> None:
+        with self._lock:
+            size = self._index.pop(path, None)
+            if size is not None:
+                self.total_bytes -= size
+
+    def path_of(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.dir / name[:2] / f"{name}{SUFFIX}"
+
+    @property
+    def num_files(self) -> int:
+        return len(self._index)
+
+    # ------------------------------------------------------------------ KVStore
+    def contains(self, block_hash: bytes) -> bool:
+        path = self.path_of(block_hash)
+        return str(path) in self._index or path.exists()
+
+    def get(self, block_hash: bytes) -> memoryview | None:
+        path = self.path_of(block_hash)
+        key = str(path)
+        data = None
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                data = self.buffers.take(size)
+                n = f.readinto(data)
+            if n != size:  # shrank while we read: a torn view, never used
+                data = data[:n]
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as e:
+            logger.warning("KV store: cannot read %s: %s", path, e)
+            return None
+        problem = check_block_file(data, self.fingerprint, block_hash)
+        if problem is not None:
+            self.buffers.give(data)
+            logger.warning("KV store: ignoring %s (%s); its tokens are recomputed", path, problem)
+            self.stats.update(num_rejected_blocks=1)
+            self._forget(key)
+            _unlink(key)
+            return None
+        try:
+            os.utime(path)  # recency for LRU, visible to replicas and after a restart
+        except OSError:
+            pass
+        self._remember(key, len(data))
+        return memoryview(data)[HEADER.size :]
+
+    def release(self, payload: memoryview) -> None:
+        self.buffers.give_view(payload)
+
+    def put(self, block_hash: bytes, payload: memoryview) -> bool:
+        path = self.path_of(block_hash)
+        if path.exists():
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        header = encode_header(self.fingerprint, block_hash, payload)
+        try:
+            with open(tmp, "xb") as f:
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the whole file or none
+        except BaseException:
+            _unlink(str(tmp))
+            raise
+        self._remember(str(path), len(header) + len(payload))
+        return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("KV store: cannot delete %s: %s", path, e)

@@ -1,0 +1,68 @@
+"""Build a connector from ``kv_transfer_config``: the store, and the two sides sharing it."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from dataclasses import dataclass
+
+from pagedllm.config import KVTransferConfig
+from pagedllm.kv_connector.base import KVConnectorStats, KVStore, StatsBox
+from pagedllm.kv_connector.disk_store import DiskKVStore
+from pagedllm.kv_connector.fingerprint import ModelFingerprint
+from pagedllm.kv_connector.scheduler_side import SchedulerConnector
+from pagedllm.kv_connector.worker_side import BlockSaver, WorkerConnector
+
+logger = logging.getLogger("pagedllm.kv_connector")
+
+
+@dataclass
+class KVConnector:
+    """The connector of one engine: its scheduler side, its worker side, their store."""
+
+    config: KVTransferConfig
+    fingerprint: ModelFingerprint
+    store: KVStore
+    stats: StatsBox
+    scheduler: SchedulerConnector
+    worker: WorkerConnector
+    saver: BlockSaver | None
+
+    def take_stats(self) -> KVConnectorStats | None:
+        return self.stats.take()
+
+    def when_saved(self, callback) -> None:
+        """Run ``callback`` once every save queued so far is in the store (now, without saves)."""
+        if self.saver is None:
+            callback()
+        else:
+            self.saver.when_saved(callback)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.saver.flush(timeout) if self.saver is not None else True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (up to ``timeout``), stop the saver thread."""
+        if self.saver is not None:
+            self.saver.close(timeout)
+            self.saver = None
+            self.worker.saver = None
+        self.store.close()
+
+
+def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, block_size: int, block_bytes: int) -> KVConnector:
+    """``block_bytes``: one block's payload (every block-indexed KV tensor's bytes of one block)."""
+    stats = StatsBox()
+    if config.kv_connector != "disk":  # KVTransferConfig validated the name
+        raise ValueError(f"kv_transfer_config.kv_connector {config.kv_connector!r} is unknown")
+    store = DiskKVStore(config.path, fingerprint.digest, fingerprint.id, config.max_bytes, stats)
+    saver = BlockSaver(store, stats) if config.saves else None
+    connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, block_bytes, stats),
+                            WorkerConnector(saver, stats, store), saver)  # fmt: skip
+    # An offline run that ends without close() still writes what it queued.
+    ref = weakref.ref(connector)
+    atexit.register(lambda: (c := ref()) is not None and c.close(timeout=30.0))
+    logger.info("KV connector: %s, role %s, store %s (fingerprint %s, cap %.1f GiB)", config.kv_connector,
+                config.kv_role, store.dir, fingerprint.id, config.max_bytes / (1 << 30))  # fmt: skip
+    return connector

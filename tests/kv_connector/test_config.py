@@ -1,0 +1,53 @@
+"""kv_transfer_config: vLLM's shape, validated up front with the field named."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.config import EngineConfig, KVTransferConfig
+from pagedllm.entrypoints.cli import add_engine_args, engine_config_from_args
+
+
+def test_parse_json_and_dict(tmp_path):
+    cfg = KVTransferConfig.parse(f'{{"kv_connector": "disk", "kv_role": "kv_producer", "path": "{tmp_path}", "max_bytes": 1000}}')
+    assert cfg == KVTransferConfig(kv_connector="disk", kv_role="kv_producer", path=str(tmp_path), max_bytes=1000)
+    assert cfg.saves and not cfg.loads and cfg.holds_outputs
+    both = KVTransferConfig.parse({"path": str(tmp_path)})
+    assert both.saves and both.loads and not both.holds_outputs
+    consumer = KVTransferConfig(kv_role="kv_consumer", path="x")
+    assert consumer.loads and not consumer.saves and not consumer.holds_outputs
+    assert KVTransferConfig.parse(None) is None
+
+
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"kv_connector": "nixl", "path": "x"}, "kv_transfer_config.kv_connector"),
+        ({"kv_role": "kv_reader", "path": "x"}, "kv_transfer_config.kv_role"),
+        ({}, "kv_transfer_config.path"),
+        ({"path": "x", "max_bytes": 0}, "kv_transfer_config.max_bytes"),
+        ({"path": "x", "max_bytes": "1G"}, "kv_transfer_config.max_bytes"),
+        ({"path": "x", "wait_for_save": "yes"}, "kv_transfer_config.wait_for_save"),
+        ({"path": "x", "bogus": 1}, "kv_transfer_config: unknown key(s) bogus"),
+        ("{not json", "kv_transfer_config is not valid JSON"),
+        ("[1]", "kv_transfer_config must be a JSON object"),
+    ],
+)
+def test_bad_values_name_the_field(value, field):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(kv_transfer_config=value)
+    assert str(e.value).startswith(field)
+
+
+def test_swap_preemption_is_refused():
+    with pytest.raises(ValueError, match="kv_transfer_config needs preemption_mode='recompute'"):
+        EngineConfig(kv_transfer_config={"path": "x"}, preemption_mode="swap")
+
+
+def test_cli_flag(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-transfer-config", f'{{"kv_connector": "disk", "path": "{tmp_path}"}}'])
+    assert engine_config_from_args(args).kv_transfer_config == KVTransferConfig(path=str(tmp_path))

@@ -1,0 +1,162 @@
+"""The disk connector in an offline engine (tiny random Llama): blocks saved by one engine are
+loaded by the next, outputs never change, and nothing unverified is ever loaded or saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kv_cache.block_pool import hash_block
+
+BS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# Prompt lengths: whole blocks exactly (the last block must still be computed), and not.
+PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]} for i, n in enumerate((64, 100, 37))]
+
+
+def make_llm(model: Path, store: Path | None, **kw) -> LLM:
+    kv = {"kv_transfer_config": {"kv_connector": "disk", "path": str(store), **kw.pop("kv", {})}} if store else {}
+    return LLM(str(model), num_kv_blocks=64, log_stats_interval=1e9, **kv, **kw)
+
+
+def run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    out = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    if llm.llm_engine.kv_connector is not None:
+        assert llm.llm_engine.kv_connector.flush(timeout=30)
+    return out
+
+
+def totals(llm: LLM):
+    return llm.llm_engine.kv_connector.stats.total
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_llama) -> list[list[int]]:
+    """Outputs of an engine without a connector."""
+    return run(make_llm(tiny_llama, None))
+
+
+@pytest.fixture(scope="module")
+def filled_store(tiny_llama, tmp_path_factory, cold) -> Path:
+    """A store the first engine filled (outputs checked against the cold run)."""
+    store = tmp_path_factory.mktemp("store")
+    llm = make_llm(tiny_llama, store)
+    assert run(llm) == cold
+    assert totals(llm).num_hit_blocks == 0 and totals(llm).num_saved_blocks > 0
+    llm.llm_engine.close()
+    return store
+
+
+def copy_store(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_restarted_engine_loads_the_blocks(tiny_llama, filled_store, cold, tmp_path):
+    store = copy_store(filled_store, tmp_path / "s")
+    llm = make_llm(tiny_llama, store)
+    assert run(llm) == cold
+    t = totals(llm)
+    # Every whole prompt block but one holding the last prompt token: 3 + 6 + 2.
+    assert t.num_queried_blocks == t.num_hit_blocks == t.num_loaded_blocks == 11
+    assert t.num_rejected_blocks == 0 and t.num_loaded_bytes > 0
+    # The loaded blocks counted as computed: only the tails ran (the prefix-cache stats are local).
+    stats = llm.llm_engine.stats
+    assert stats.prompt_tokens_total == sum(len(p["prompt_token_ids"]) for p in PROMPTS) - 11 * BS
+
+
+def test_chunked_prefill_after_a_load(tiny_llama, filled_store, cold, tmp_path):
+    longer = PROMPTS[1]["prompt_token_ids"] + list(range(3, 80))  # 6 stored blocks, then 77 new tokens
+    ref = run(make_llm(tiny_llama, None, max_num_batched_tokens=24), [{"prompt_token_ids": longer}])
+    llm = make_llm(tiny_llama, copy_store(filled_store, tmp_path / "s"), max_num_batched_tokens=24)
+    assert run(llm, [{"prompt_token_ids": longer}]) == ref
+    assert totals(llm).num_loaded_blocks == 6
+
+
+def test_a_flipped_byte_is_detected_and_recomputed(tiny_llama, filled_store, cold, tmp_path):
+    store = copy_store(filled_store, tmp_path / "s")
+    # The second block of PROMPTS[1]: its file, by chained hash.
+    ids = PROMPTS[1]["prompt_token_ids"]
+    h0 = hash_block(None, ids[:BS])
+    h1 = hash_block(h0, ids[BS : 2 * BS])
+    (path,) = store.rglob(f"{h1.hex()}.kvb")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    llm = make_llm(tiny_llama, store)
+    assert run(llm) == cold
+    t = totals(llm)
+    assert t.num_rejected_blocks == 1
+    assert t.num_loaded_blocks == 3 + 1 + 2  # PROMPTS[1] stops at its bad second block
+    assert path.exists()  # recomputed, then saved again, intact
+    assert run(make_llm(tiny_llama, store)) == cold
+
+
+def test_another_model_never_loads_the_blocks(tiny_llama, filled_store, tmp_path):
+    from tests.conftest import save_tiny_model
+
+    other = save_tiny_model(tmp_path / "other", seed=1)
+    other_cold = run(make_llm(other, None))
+    store = copy_store(filled_store, tmp_path / "s")
+    llm = make_llm(other, store, kv={"kv_role": "kv_consumer"})
+    assert run(llm) == other_cold
+    assert totals(llm).num_hit_blocks == 0
+    # Planted under this fingerprint's names: the headers give them away.
+    mine = llm.llm_engine.kv_connector.store.dir
+    for f in filled_store.rglob("*.kvb"):
+        dst = mine / f.parent.name / f.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(f.read_bytes())
+    llm2 = make_llm(other, store, kv={"kv_role": "kv_consumer"})
+    assert run(llm2) == other_cold
+    assert totals(llm2).num_hit_blocks == 0 and totals(llm2).num_rejected_blocks == 3  # one per prompt
+
+
+def test_another_kv_cache_dtype_is_another_fingerprint(tiny_llama, filled_store, tmp_path):
+    llm = make_llm(tiny_llama, copy_store(filled_store, tmp_path / "s"), kv_cache_dtype="bfloat16")
+    run(llm)
+    assert totals(llm).num_hit_blocks == 0
+
+
+def test_roles(tiny_llama, filled_store, cold, tmp_path):
+    store = copy_store(filled_store, tmp_path / "s")
+    before = sorted(p.name for p in store.rglob("*.kvb"))
+    producer = make_llm(tiny_llama, store, kv={"kv_role": "kv_producer"})
+    assert run(producer) == cold
+    assert totals(producer).num_queried_blocks == 0 and totals(producer).num_loaded_blocks == 0
+    consumer = make_llm(tiny_llama, tmp_path / "empty", kv={"kv_role": "kv_consumer"})
+    assert run(consumer) == cold
+    assert totals(consumer).num_saved_blocks == 0 and not list((tmp_path / "empty").rglob("*.kvb"))
+    assert sorted(p.name for p in store.rglob("*.kvb")) == before
+
+
+def test_only_verified_tokens_are_saved(tiny_llama, tmp_path):
+    """With speculative decoding, rejected drafts' K/V is written into blocks; only blocks of
+    tokens that ended up in the sequence may be saved."""
+    store = tmp_path / "s"
+    llm = make_llm(tiny_llama, store, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompt = [5, 6, 7, 8] * 10 + [9, 10]  # repetition: n-gram drafts
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    llm.llm_engine.kv_connector.flush(timeout=30)
+    assert llm.llm_engine.stats.spec_total.num_draft_tokens > 0
+    tokens = prompt + list(out.outputs[0].token_ids)
+    chain, parent = set(), None
+    for i in range(len(tokens) // BS):
+        parent = hash_block(parent, tokens[i * BS : (i + 1) * BS])
+        chain.add(parent.hex())
+    saved = {p.stem for p in store.rglob("*.kvb")}
+    assert saved and saved <= chain
+
+
+def test_two_live_replicas_share_a_directory(tiny_llama, cold, tmp_path):
+    """The second replica started before the first saved anything: it finds the blocks by name."""
+    store = tmp_path / "shared"
+    first, second = make_llm(tiny_llama, store), make_llm(tiny_llama, store)
+    assert run(first) == cold
+    assert run(second) == cold
+    assert totals(second).num_hit_blocks == 11 and totals(second).num_rejected_blocks == 0
