@@ -176,7 +176,7 @@ class EagleProposer:
         if ctx is None or ctx.next_position != position:  # new, or a gap (e.g. steps not observed): start over
             self.forget(req_id)
             ctx = self._contexts[req_id] = _Context(offset=position)
-        ctx.pending.append(features.float())
+        ctx.pending.append(features.to(torch.float32, copy=True))  # the step's buffers may be reused
         ctx.num_pending += features.shape[0]
 
     @torch.inference_mode()
