@@ -36,6 +36,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_cache_dtype import KVCacheSpec
 from pagedllm.spec_decode.draft_cache import DraftKVCache
+from pagedllm.spec_decode.head_files import read_head
 
 HEADS_DIR = Path(__file__).parent / "heads"
 DEFAULT_EAGLE = HEADS_DIR / "smollm2-135m-instruct-eagle"
@@ -121,15 +122,7 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, path: Path, hidden_size: int, vocab_size: int) -> "EagleHead":
-        from safetensors.torch import load_file
-
-        try:
-            raw = json.loads((path / "config.json").read_text())
-            state = load_file(str(path / "head.safetensors"))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"speculative_config.model: no EAGLE head at {path} ({e})") from None
-        if raw.get("method") != "eagle":
-            raise ValueError(f"speculative_config.model: {path} holds {raw.get('method')!r} heads, not eagle")
+        raw, state = read_head(path, "head.safetensors", "eagle", "EAGLE head")
         config = EagleConfig(**{k: raw[k] for k in EagleConfig.__dataclass_fields__})
         if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
             raise ValueError(
@@ -183,7 +176,7 @@ class EagleProposer:
         if ctx is None or ctx.next_position != position:  # new, or a gap (e.g. steps not observed): start over
             self.forget(req_id)
             ctx = self._contexts[req_id] = _Context(offset=position)
-        ctx.pending.append(features.float())
+        ctx.pending.append(features.to(torch.float32, copy=True))  # the step's buffers may be reused
         ctx.num_pending += features.shape[0]
 
     @torch.inference_mode()

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.spec_decode.head_files import read_head
+
 HEADS_DIR = Path(__file__).parent / "heads"
 # The heads shipped for the default model (SmolLM2-135M-Instruct), used when
 # speculative_config has no "model".
@@ -50,15 +52,7 @@ class MedusaHeads(nn.Module):
     @classmethod
     def load(cls, path: Path, hidden_size: int, vocab_size: int) -> "MedusaHeads":
         """Heads trained for a target of this hidden and vocabulary size (a ValueError otherwise)."""
-        from safetensors.torch import load_file
-
-        try:
-            config = json.loads((path / "config.json").read_text())
-            state = load_file(str(path / "heads.safetensors"))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"speculative_config.model: no Medusa heads at {path} ({e})") from None
-        if config.get("method") != "medusa":
-            raise ValueError(f"speculative_config.model: {path} holds {config.get('method')!r} heads, not medusa")
+        config, state = read_head(path, "heads.safetensors", "medusa", "Medusa heads")
         if config["hidden_size"] != hidden_size or config.get("vocab_size", vocab_size) != vocab_size:
             raise ValueError(
                 f"speculative_config.model: heads for hidden size {config['hidden_size']} and vocabulary "

@@ -63,3 +63,11 @@ def test_trained_eagle_head_loads_and_keeps_greedy_tokens(tiny_llama_tok, tiny_e
         # A warm prefix cache: the head starts its context after the cached prefix; tokens unchanged.
         warm = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_shipped_head_fits_the_default_model():
+    config = json.loads((DEFAULT_EAGLE / "config.json").read_text())
+    assert (config["method"], config["hidden_size"], config["vocab_size"]) == ("eagle", 576, 49152)
+    assert (DEFAULT_EAGLE / "head.safetensors").stat().st_size < 8 << 20  # a few MB
+    head = EagleHead.load(DEFAULT_EAGLE, 576, 49152)
+    assert head.fc.weight.dtype == torch.float32
