@@ -1,8 +1,9 @@
 """pagedllm: a high-throughput LLM inference engine with PagedAttention, CPU first."""
 
 from pagedllm.entrypoints.llm import LLM
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -162,6 +162,13 @@ class EngineConfig:
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": 3, ...}
     # (a dict, a JSON string or a SpeculativeConfig, parsed into the latter). None = off.
     speculative_config: Any = None
+    # Multi-LoRA serving (pagedllm/lora/, docs/lora.md): requests may name a PEFT adapter. At
+    # most max_loras distinct adapters run at once (one slot each, preallocated for rank
+    # max_lora_rank); up to max_cpu_loras (default: max_loras) stay loaded in an LRU.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -193,6 +200,17 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters kept loaded (max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -23,6 +23,7 @@ from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, 
 from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats, spec_stats
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 scheduling_policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_cache_manager,
         )
@@ -73,6 +75,7 @@ class LLMEngine:
                 swap_path=config.swap_path,
                 kv_cache_dtype=config.kv_cache_dtype,
                 speculative_config=config.speculative_config,
+                lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
             )
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
@@ -110,6 +113,10 @@ class LLMEngine:
             "; memory committed as blocks are first written" if self.runner.device.type == "cpu" else "", self.max_model_len,
             sizes.num_blocks / self.kv_cache_manager.max_blocks_held(self.max_model_len, config.max_num_batched_tokens),
         )  # fmt: skip
+        lora = self.runner.lora
+        if lora is not None:
+            logger.info("LoRA: %d slots of rank <= %d (%.1f MiB preallocated), up to %d adapters loaded",
+                        lora.max_loras, lora.max_lora_rank, lora.table.nbytes / (1 << 20), lora.max_cpu_loras)  # fmt: skip
         if len(layout.groups) > 1 or layout.groups[0].window is not None:
             logger.info("KV cache groups (sliding layers free the blocks behind their window): %s", layout.describe())
         logger.info("engine ready in %.1f s (%s; threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
@@ -126,6 +133,7 @@ class LLMEngine:
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (and changes nothing) on bad input.
 
@@ -135,8 +143,13 @@ class LLMEngine:
         prompt's full KV blocks through the prefix cache (engine/parallel_sampling.py); their
         outputs come back together under ``request_id``. A request with ``structured_outputs``
         waits (outside the scheduler, without holding anyone up) until its grammar is compiled.
+        ``lora_request`` (or the ProcessedRequest's) names a LoRA adapter: it is loaded and
+        checked against the model now, so a bad adapter is a ValueError here.
         """
         req = prompt if isinstance(prompt, ProcessedRequest) else self.processor.process(prompt, sampling_params, priority)
+        lora_request = lora_request if lora_request is not None else req.lora_request
+        if lora_request is not None:
+            self.add_lora(lora_request)
         params = req.sampling_params
         request_id = request_id if request_id is not None else self.next_request_id()
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
@@ -153,6 +166,7 @@ class LLMEngine:
                 index=i,
                 priority=req.priority,
                 bad_words_token_ids=req.bad_words_token_ids,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]
@@ -164,6 +178,33 @@ class LLMEngine:
         self.output_processor.add(samples, output_kind)
         self._samples_of[request_id] = [r.request_id for r in samples]
         return request_id
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and validate an adapter (kept in the LRU of max_cpu_loras); ValueError if it
+        cannot serve (LoRA off, bad path or files, rank above max_lora_rank, wrong shapes)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
+        self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter (requests still using it load it again when they run)."""
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.runner.lora.loaded_ids() if self.runner.lora is not None else []
+
+    def lora_requests_info(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter name: (running, waiting)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for reqs, counts in ((self.scheduler.running, running), (self.scheduler.waiting, waiting)):
+            for r in reqs:
+                if r.lora_request is not None:
+                    counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        return running, waiting
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples): blocks are freed at once."""

@@ -21,6 +21,8 @@ from pagedllm.attention.kv_cache_dtype import (
     KVCacheSpec, KVPool, allocate_pool, cache_parts, carve_pool, pool_nbytes, resolve_kv_cache_dtype, zeros_on_first_touch,
 )  # fmt: skip
 from pagedllm.kv_cache.groups import KVCacheLayout
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -44,11 +46,12 @@ class CachedRequestState:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     spec_backoff: int = 0  # speculative decoding: see spec_decode/proposer.py
     spec_skip: int = 0
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         state = cls(new.req_id, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
-                    new.eos_token_ids, new.bad_words_token_ids)  # fmt: skip
+                    new.eos_token_ids, new.bad_words_token_ids, lora_request=new.lora_request)  # fmt: skip
         state.token_ids = list(new.prompt_token_ids) + state.output_token_ids
         return state
 
@@ -86,7 +89,9 @@ class ModelRunner:
         swap_path: str | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
+        lora: tuple[int, int, int] | None = None,
     ):
+        """``lora``: (max_loras, max_lora_rank, max_cpu_loras) to serve LoRA adapters."""
         self.model = model
         self.arch = model.arch
         self.device = torch.device(device)
@@ -113,6 +118,11 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         self.proposer: Proposer | None = make_proposer(speculative_config)
         self.requests: dict[str, CachedRequestState] = {}
+        # LoRA: the adapters' slot table and LRU; the model's linears read its step mapping.
+        self.lora: LoRAManager | None = None
+        if lora is not None:
+            self.lora = LoRAManager(model, *lora)
+            model.lora_context = self.lora.context
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
 
@@ -206,8 +216,13 @@ class ModelRunner:
         """
         sched = out.scheduled
         states = [self.requests[s.req_id] for s in sched]
-        # Decode rows (one query token) first: the backend batches them in one call.
-        order = sorted(range(len(sched)), key=lambda i: sched[i].num_new_tokens != 1)
+        # Decode rows (one query token) first: the backend batches them in one call. With LoRA,
+        # each adapter's rows next to each other (one run among the decodes, one among the rest).
+        if self.lora is None:
+            order = sorted(range(len(sched)), key=lambda i: sched[i].num_new_tokens != 1)
+        else:
+            lora_slots = self.lora.prepare_step([st.lora_request for st in states])
+            order = sorted(range(len(sched)), key=lambda i: (sched[i].num_new_tokens != 1, lora_slots[i]))
         bs = self.block_size
         num_seqs = len(order)
         q_lens = np.array([sched[i].num_new_tokens for i in order], dtype=np.int64)
@@ -252,13 +267,19 @@ class ModelRunner:
             ))  # fmt: skip
         # One metadata for every layer, or each layer its group's.
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
-        hidden = self.model(
-            torch.tensor(tokens, dtype=torch.int64, device=dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_caches,
-            self.backend,
-            meta,
-        )
+        if self.lora is not None:
+            self.lora.context.mapping = LoRAManager.mapping([lora_slots[i] for i in order], q_lens_list)
+        try:
+            hidden = self.model(
+                torch.tensor(tokens, dtype=torch.int64, device=dev),
+                torch.from_numpy(positions).to(dev),
+                self.kv_caches,
+                self.backend,
+                meta,
+            )
+        finally:
+            if self.lora is not None:
+                self.lora.context.mapping = None
 
         result = ModelRunnerOutput(req_ids=[s.req_id for s in sched], sampled=[[] for _ in sched], logprobs=[[] for _ in sched])
         self._prompt_logprobs(sched, states, order, query_start_loc, hidden, result)

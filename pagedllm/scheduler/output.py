@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     bad_words_token_ids: list[list[int]]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
