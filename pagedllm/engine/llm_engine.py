@@ -190,8 +190,11 @@ class LLMEngine:
         self.runner.lora.add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop a loaded adapter (requests still using it load it again when they run)."""
-        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+        """Drop a loaded adapter now, unless requests still use it: then it stays loaded for
+        them, and the LRU drops it once it is no longer needed. True if dropped now."""
+        if self.runner.lora is None or any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            return False
+        return self.runner.lora.remove(lora_int_id)
 
     def list_loras(self) -> list[int]:
         return self.runner.lora.loaded_ids() if self.runner.lora is not None else []
@@ -304,6 +307,7 @@ class LLMEngine:
             num_prefix_hits=sched_out.num_prefix_hits,
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
             spec=spec,
+            lora=self.lora_requests_info() if self.runner.lora is not None else None,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)

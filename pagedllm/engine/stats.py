@@ -59,6 +59,8 @@ class StepStats:
     num_prefix_hits: int = 0
     num_uncacheable_tokens: int = 0
     spec: SpecDecodeStats | None = None  # None: no drafts verified this step
+    # LoRA engines: requests per adapter name, (running, waiting), after the step; else None.
+    lora: tuple[dict[str, int], dict[str, int]] | None = None
 
 
 class StatsLogger:

@@ -43,6 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True, help="GGUF float32 models: run small batches straight from the quantized blocks with the native kernel (default: on)")
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) over the base model, many in one batch (docs/lora.md)")
+    g.add_argument("--max-loras", type=int, default=defaults["max_loras"], help="most distinct LoRA adapters in one step, one preallocated slot each (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=defaults["max_lora_rank"], help="highest adapter rank the slots hold; a higher-rank adapter is refused (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept loaded (an LRU; default: --max-loras)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 

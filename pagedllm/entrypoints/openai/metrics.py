@@ -69,6 +69,18 @@ class ServerMetrics:
             "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
             ["model_name", "position"], registry=r,
         )  # fmt: skip
+        # LoRA (vLLM's lora_requests_info): the adapters with running / waiting requests as
+        # labels, the value the time of the update; and the requests per adapter and state.
+        self.max_lora = str(engine.config.max_loras) if engine.config.enable_lora else None
+        if self.max_lora is not None:
+            self.lora_info = Gauge(
+                "pagedllm:lora_requests_info", "Running and waiting LoRA adapters (names, comma-separated).",
+                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r,
+            )  # fmt: skip
+            self.lora_requests = Gauge("pagedllm:lora_requests", "Requests per LoRA adapter, running or waiting.",
+                                       ["model_name", "lora_name", "state"], registry=r)  # fmt: skip
+            self.lora_info.labels(max_lora=self.max_lora, running_lora_adapters="", waiting_lora_adapters="").set(time.time())
+            self._lora_last: tuple | None = None
         self._last_token_time: dict[str, float] = {}
         engine.stat_loggers.append(self)
         async_llm.output_hooks.append(self.on_output)
@@ -82,12 +94,27 @@ class ServerMetrics:
         self.prefix_uncacheable.inc(stats.num_uncacheable_tokens)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        if stats.lora is not None and self.max_lora is not None:
+            self._record_lora(*stats.lora)
         if stats.spec is not None:
             self.spec_drafts.inc(stats.spec.num_drafts)
             self.spec_draft_tokens.inc(stats.spec.num_draft_tokens)
             self.spec_accepted.inc(stats.spec.num_accepted_tokens)
             for j, n in enumerate(stats.spec.accepted_per_pos):
                 self.spec_per_pos.labels(position=str(j), **self.labels).inc(n)
+
+    def _record_lora(self, running: dict[str, int], waiting: dict[str, int]) -> None:
+        key = (tuple(sorted(running.items())), tuple(sorted(waiting.items())))
+        if key == self._lora_last:  # nothing changed: keep the labels (and their time)
+            return
+        self._lora_last = key
+        self.lora_info.clear()
+        self.lora_info.labels(max_lora=self.max_lora, running_lora_adapters=",".join(sorted(running)),
+                              waiting_lora_adapters=",".join(sorted(waiting))).set(time.time())  # fmt: skip
+        self.lora_requests.clear()
+        for state, counts in (("running", running), ("waiting", waiting)):
+            for name, n in counts.items():
+                self.lora_requests.labels(lora_name=name, state=state, **self.labels).set(n)
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
