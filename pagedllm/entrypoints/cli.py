@@ -86,6 +86,7 @@ ENGINE_BENCHES = {
     "structured": ("structured", "structured outputs: validity of constrained outputs, and their cost per step"),
     "weight-quant": ("weight_quant", "perplexity and greedy agreement of --quantization int8/int4 against the checkpoint"),
     "kv-cache-dtype": ("kv_cache_dtype", "KV cache dtypes: decode-attention speed, accuracy against fp32, W1"),
+    "lora": ("lora", "multi-LoRA: W1 on the base model, on one adapter and spread over N adapters (throughput ratios)"),
     "activation-dtype": ("activation_dtype", "--activation-dtype int8: greedy agreement and perplexity against fp32 (per layer choice), W1 speed"),
 }
 
