@@ -9,6 +9,10 @@ A request starting out first adopts the longest chain of prefix-cached blocks ma
 tokens, so only the rest counts against the budget. ``long_prefill_token_threshold`` caps one
 request's chunk per step so that several long prompts progress together.
 
+With LoRA (``max_loras`` > 0), the running requests use at most ``max_loras`` distinct adapters
+(the runner has that many slots); a waiting request whose adapter would be one more is passed
+over this step, keeping its place, and the requests behind it may still be admitted.
+
 When a running request cannot get a block, a victim chosen by the policy (fcfs: the most
 recently admitted) is preempted: its blocks are freed and it goes back to the waiting
 queue, to be recomputed from its prompt and the tokens it already generated (outputs do not

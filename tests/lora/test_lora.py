@@ -252,3 +252,15 @@ def test_mixed_batch_matches_transformers_with_merged_adapters(base, adapters, c
     # The adapters do change the answers.
     by_prompt = [{tuple(o.outputs[0].token_ids) for (p2, _), o in zip(batch, outs) if p2 == p} for p in prompts]
     assert all(len(s) >= 4 for s in by_prompt)
+
+
+def test_two_lora_engines_in_one_process_are_independent(base, adapters):
+    kwargs = dict(enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=32, log_stats_interval=1e9)
+    first, second = LLM(str(base), **kwargs), LLM(str(base), **kwargs)
+    prompt, params = [{"prompt_token_ids": [9, 8, 7, 6, 5]}], SamplingParams(temperature=0, max_tokens=8)
+    a, b = lora(adapters, "qv4", 1), lora(adapters, "ko16", 1)  # the same id in each engine, other adapters
+    outs = [e.generate(prompt, params, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
+            for e, r in [(first, a), (second, b), (first, a), (second, None)]]  # fmt: skip
+    assert outs[0] == outs[2] == merged_greedy(base, Path(a.lora_path), prompt[0]["prompt_token_ids"], 8)
+    assert outs[1] == merged_greedy(base, Path(b.lora_path), prompt[0]["prompt_token_ids"], 8)
+    assert outs[3] == merged_greedy(base, None, prompt[0]["prompt_token_ids"], 8)
