@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         f"{n}_adapters": [adapters[i % n] for i in range(len(prompts))],
     }
     results: dict[str, dict] = {}
+    load_before = os.getloadavg()[0]  # the phases are comparable only on a machine this run has to itself
     for _ in range(args.repeats):
         for name, loras in phases.items():
             r = _timed(llm, prompts, params, loras)
@@ -103,10 +105,11 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     base = results["base"]["output_tokens_per_s"]
     result = {"workload": w.name, "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
               "num_adapters": n, "lora_rank": args.lora_rank, "targets": list(TARGETS), "cpu": cpu_name(),
-              "threads": torch.get_num_threads(), **results,
+              "threads": torch.get_num_threads(), "load_average_1min": [load_before, os.getloadavg()[0]], **results,
               "ratio_1_adapter": results["1_adapter"]["output_tokens_per_s"] / base,
               f"ratio_{n}_adapters": results[f"{n}_adapters"]["output_tokens_per_s"] / base}  # fmt: skip
-    lines = [f"LoRA ({w.name}, rank {args.lora_rank}, q/k/v/o/gate/up/down, {cpu_name()}):"]
+    lines = [f"LoRA ({w.name}, rank {args.lora_rank}, q/k/v/o/gate/up/down, {cpu_name()}, "
+             f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}):"]
     for name, r in results.items():
         lines.append(f"  {name:>12}: {r['output_tokens_per_s']:7.1f} output tokens/s ({r['elapsed_s']:.1f} s)"
                      + ("" if name == "base" else f"  ratio to base {r['output_tokens_per_s'] / base:.2f}"))  # fmt: skip

@@ -264,3 +264,12 @@ def test_two_lora_engines_in_one_process_are_independent(base, adapters):
     assert outs[0] == outs[2] == merged_greedy(base, Path(a.lora_path), prompt[0]["prompt_token_ids"], 8)
     assert outs[1] == merged_greedy(base, Path(b.lora_path), prompt[0]["prompt_token_ids"], 8)
     assert outs[3] == merged_greedy(base, None, prompt[0]["prompt_token_ids"], 8)
+
+
+def test_bench_writes_adapters_the_engine_loads(manager, tmp_path):
+    from pagedllm.bench.lora import write_random_adapter
+
+    path = write_random_adapter(tmp_path / "bench-adapter", manager.table.targets, rank=4, seed=0)
+    adapter = manager.add(LoRARequest("bench", 77, str(path)))
+    assert set(adapter.target_modules) == set(ALL) and adapter.scaling == 2.0
+    manager.remove(77)
