@@ -86,6 +86,7 @@ def transformers_scores(hf_model, adapters, batch, outs) -> dict[int, tuple[Orac
     return out
 
 
+@pytest.mark.timeout(1800)  # ~3 min on a quiet 2-core machine; far more on a shared one
 def test_mixed_adapters_match_merged_transformers_under_preemption_and_prefix_caching(batch, hf_model, adapters):
     llm = LLM(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, num_kv_blocks=200,
               max_num_batched_tokens=512, log_stats_interval=1e9)  # fmt: skip
