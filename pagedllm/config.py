@@ -244,6 +244,13 @@ class EngineConfig:
     # KV connector, vLLM's shape: {"kv_connector": "disk", "kv_role": "kv_both", "path": ...}
     # (a dict, a JSON string or a KVTransferConfig, parsed into the latter). None = off.
     kv_transfer_config: Any = None
+    # Multi-LoRA serving (pagedllm/lora/, docs/lora.md): requests may name a PEFT adapter. At
+    # most max_loras distinct adapters run at once (one slot each, preallocated for rank
+    # max_lora_rank); up to max_cpu_loras (default: max_loras) stay loaded in an LRU.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -280,6 +287,21 @@ class EngineConfig:
             # A request admitted with loaded blocks and swapped out in the same step would save
             # its blocks before they are loaded; recompute gets them back from the store.
             raise ValueError("kv_transfer_config needs preemption_mode='recompute'")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+
+        if self.kv_transfer_config is not None and self.enable_lora:
+            # The store's blocks are keyed without the adapter yet: never mix them up.
+            raise ValueError("kv_transfer_config cannot be combined with enable_lora yet")
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters kept loaded (max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RowLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -69,11 +70,22 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Draft tokens (speculative decoding) for the next step to verify; never in all_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter this request runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
         if self.parent_id is None:
             self.parent_id = self.request_id
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def cache_keys(self) -> tuple:
+        """Extra keys of this request's prefix-cache block hashes (its adapter, if any)."""
+        return self.lora_request.cache_key if self.lora_request is not None else ()
 
     @property
     def num_prompt_tokens(self) -> int:

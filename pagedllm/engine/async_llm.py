@@ -31,6 +31,7 @@ from pagedllm.engine.input_processor import ProcessedRequest, PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.logger import configure_logging
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.threads import configure_threads
 from pagedllm.sampling_params import SamplingParams
@@ -109,8 +110,10 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_ids: list[str],
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue several prompts in one engine command (all or none); return their streams.
+        ``lora_request``: the LoRA adapter they all run with (None: the base model).
 
         Raises ValueError for bad input, EngineOverloadedError when the waiting queue is
         full, EngineDeadError when the engine is gone - before anything is streamed.
@@ -118,6 +121,8 @@ class AsyncLLM:
         self._check_alive()
         processor = self.engine.processor
         processed = await self.run_in_worker(lambda: [processor.process(p, sampling_params, priority) for p in prompts])
+        for p in processed:
+            p.lora_request = lora_request
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         streams = [_Stream(loop) for _ in prompts]
@@ -162,6 +167,17 @@ class AsyncLLM:
         """``async for out in llm.generate(...)``: delta outputs until the request finishes."""
         async for out in await self.add_request(prompt, sampling_params, request_id):
             yield out
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread, between steps (e.g. loading a LoRA adapter:
+        the engine's state is only ever touched there); its result or exception comes back."""
+        self._check_alive()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._check_alive()
+            self._commands.put(("call", fn, done))
+        self._wakeup.set()
+        return await done
 
     def _command(self, cmd: tuple) -> None:
         with self._lock:
@@ -251,6 +267,15 @@ class AsyncLLM:
                 reply.put_call(_set_exception, accepted, e)
                 return
             reply.put_call(_set_result, accepted, time.monotonic())
+        elif kind == "call":
+            _, fn, done = cmd
+            reply = _Stream(done.get_loop())
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                reply.put_call(_set_exception, done, e)
+                return
+            reply.put_call(_set_result, done, result)
         elif kind == "abort":
             if cmd[1] in self._streams:
                 self._deliver(self.engine.abort_request(cmd[1]))

@@ -26,6 +26,7 @@ class ProcessedRequest:
     sampling_params: SamplingParams
     priority: int = 0
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    lora_request: Any = None  # a LoRARequest (checked by the engine, which loads it)
 
 
 class InputProcessor:

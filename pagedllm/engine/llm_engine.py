@@ -28,6 +28,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats, spec_stats
 from pagedllm.kernels.ops import native_available
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 scheduling_policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_cache_manager,
         )
@@ -83,6 +85,7 @@ class LLMEngine:
                 kv_cache_dtype=config.kv_cache_dtype,
                 speculative_config=config.speculative_config,
                 draft_model=draft,
+                lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
             )
         self.kv_connector = attach_kv_connector(config, self.source.path, self.scheduler, self.runner)
         self.stats = StatsLogger(log_stats_interval)
@@ -117,6 +120,10 @@ class LLMEngine:
         # The same report as `pagedllm estimate` (engine/capacity.py), with this engine's choices.
         for line in startup_report(config, self.source, self.max_model_len, loaded_dense, native_available()).lines()[1:]:
             logger.info("%s", line)
+        lora = self.runner.lora
+        if lora is not None:
+            logger.info("LoRA: %d slots of rank <= %d (%.1f MiB preallocated), up to %d adapters loaded",
+                        lora.max_loras, lora.max_lora_rank, lora.table.nbytes / (1 << 20), lora.max_cpu_loras)  # fmt: skip
         if len(layout.groups) > 1 or layout.groups[0].window is not None:
             logger.info("KV cache groups (sliding layers free the blocks behind their window): %s", layout.describe())
         logger.info("engine ready in %.1f s (%s; threads: %d intra-op, %d inter-op; PAGEDLLM_NUM_THREADS overrides)",
@@ -133,6 +140,7 @@ class LLMEngine:
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (and changes nothing) on bad input.
 
@@ -142,8 +150,13 @@ class LLMEngine:
         prompt's full KV blocks through the prefix cache (engine/parallel_sampling.py); their
         outputs come back together under ``request_id``. A request with ``structured_outputs``
         waits (outside the scheduler, without holding anyone up) until its grammar is compiled.
+        ``lora_request`` (or the ProcessedRequest's) names a LoRA adapter: it is loaded and
+        checked against the model now, so a bad adapter is a ValueError here.
         """
         req = prompt if isinstance(prompt, ProcessedRequest) else self.processor.process(prompt, sampling_params, priority)
+        lora_request = lora_request if lora_request is not None else req.lora_request
+        if lora_request is not None:
+            self.add_lora(lora_request)
         params = req.sampling_params
         request_id = request_id if request_id is not None else self.next_request_id()
         if params.use_beam_search:  # engine/beam_search.py; one final output with the n best beams
@@ -170,6 +183,7 @@ class LLMEngine:
                 index=i,
                 priority=req.priority,
                 bad_words_token_ids=req.bad_words_token_ids,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]
@@ -195,6 +209,35 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority)
         return request_id
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and validate an adapter (kept in the LRU of max_cpu_loras); ValueError if it
+        cannot serve (LoRA off, bad path or files, rank above max_lora_rank, wrong shapes)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
+        self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter now, unless requests still use it: then it stays loaded for
+        them, and the LRU drops it once it is no longer needed. True if dropped now."""
+        if self.runner.lora is None or any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            return False
+        return self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.runner.lora.loaded_ids() if self.runner.lora is not None else []
+
+    def lora_requests_info(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter name: (running, waiting)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for reqs, counts in ((self.scheduler.running, running), (self.scheduler.waiting, waiting)):
+            for r in reqs:
+                if r.lora_request is not None:
+                    counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        return running, waiting
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples): blocks are freed at once."""
@@ -297,6 +340,7 @@ class LLMEngine:
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
             spec=spec,
             kv_connector=self.kv_connector.take_stats() if self.kv_connector is not None else None,
+            lora=self.lora_requests_info() if self.runner.lora is not None else None,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)

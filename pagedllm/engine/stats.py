@@ -61,6 +61,8 @@ class StepStats:
     num_uncacheable_tokens: int = 0
     spec: SpecDecodeStats | None = None  # None: no drafts verified this step
     kv_connector: KVConnectorStats | None = None  # None: no connector, or it did nothing
+    # LoRA engines: requests per adapter name, (running, waiting), after the step; else None.
+    lora: tuple[dict[str, int], dict[str, int]] | None = None
 
 
 class StatsLogger:

@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-weights", default=defaults["dense_weights"], choices=["auto", "yes", "no"], help="quantized models: also keep an fp32 copy of the weights for big steps; auto = when it takes at most a third of the available memory, else every step runs from the GGUF blocks (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (keys: method = ngram | draft_model | eagle | medusa, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size) (default: off)')
     g.add_argument("--kv-transfer-config", default=None, help='KV connector as JSON, vLLM\'s shape, e.g. \'{"kv_connector": "disk", "kv_role": "kv_both", "path": "/var/cache/pagedllm-kv"}\': a prefix cache that survives restarts and is shared by replicas, or disaggregated prefill (kv_producer) / decode (kv_consumer) (keys: kv_connector, kv_role, path, max_bytes, wait_for_save; docs/kv_connector.md) (default: off)')
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) over the base model, many in one batch (docs/lora.md)")
+    g.add_argument("--max-loras", type=int, default=defaults["max_loras"], help="most distinct LoRA adapters in one step, one preallocated slot each (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=defaults["max_lora_rank"], help="highest adapter rank the slots hold; a higher-rank adapter is refused (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept loaded (an LRU; default: --max-loras)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
@@ -94,6 +98,7 @@ ENGINE_BENCHES = {
     "structured": ("structured", "structured outputs: validity of constrained outputs, and their cost per step"),
     "weight-quant": ("weight_quant", "perplexity and greedy agreement of --quantization int8/int4 against the checkpoint"),
     "kv-cache-dtype": ("kv_cache_dtype", "KV cache dtypes: decode-attention speed, accuracy against fp32, W1"),
+    "lora": ("lora", "multi-LoRA: W1 on the base model, on one adapter and spread over N adapters (throughput ratios)"),
     "activation-dtype": ("activation_dtype", "--activation-dtype int8: greedy agreement and perplexity against fp32 (per layer choice), W1 speed"),
 }
 

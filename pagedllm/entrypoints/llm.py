@@ -13,6 +13,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.chat import render_chat
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
+from pagedllm.lora.request import LoRARequest
 from pagedllm.runner.threads import configure_threads
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to a list of them.
 
@@ -80,7 +82,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def generate(
         self,
@@ -88,10 +90,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         ``priority`` (one int per prompt, lower first) matters with scheduling_policy="priority".
+        ``lora_request``: a LoRA adapter for every prompt, or one per prompt (None: the base
+        model); needs ``enable_lora=True``.
 
         All prompts are validated before any is queued, so one bad prompt raises a
         ValueError and leaves the engine as it was.
@@ -112,11 +117,17 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one or one per prompt")
         engine = self.llm_engine
         added: list[str] = []
         try:
-            for prompt, params, prio in zip(prompts, params_list, priorities):
-                added.append(engine.add_request(prompt, params, priority=prio))
+            for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
+                added.append(engine.add_request(prompt, params, priority=prio, lora_request=lora))
         except Exception:
             for request_id in added:
                 engine.abort_request(request_id)

@@ -183,21 +183,26 @@ class KVCacheManager:
         """The prefix-cache key of a block of ``group`` (same tokens, other layers' K/V)."""
         return block_hash if group == 0 else block_hash + group.to_bytes(4, "little")
 
-    def _block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
-        """Hashes of the full blocks among the first ``num_tokens`` tokens, extended as they grow."""
+    def _block_hashes(
+        self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None, extra_keys: tuple = ()
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks among the first ``num_tokens`` tokens, extended as they grow.
+        ``extra_keys`` (a request's LoRA adapter) go into every block's hash: the same tokens
+        under another adapter are other K/V."""
         hashes = self.req_to_hashes.setdefault(request_id, [])
         bs = self.block_size
         n = len(token_ids) if num_tokens is None else num_tokens
         for i in range(len(hashes), n // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_keys))
         return hashes
 
-    def block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
+    def block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None,
+                     extra_keys: tuple = ()) -> list[BlockHash]:
         """The chained hashes of the request's full blocks (the prefix cache's keys; the KV
         connector's too), computed once per request."""
-        return self._block_hashes(request_id, token_ids, num_tokens)
+        return self._block_hashes(request_id, token_ids, num_tokens, extra_keys)
 
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int], extra_keys: tuple = ()) -> CachedPrefix:
         """The longest cached prefix of the request's tokens, in whole blocks, usable by every group.
 
         A full group needs the whole chain of cached blocks; a sliding group only the blocks
@@ -207,7 +212,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return CachedPrefix([[] for _ in self.windows])
-        hashes = self._block_hashes(request_id, token_ids)
+        hashes = self._block_hashes(request_id, token_ids, extra_keys=extra_keys)
         k = min(len(hashes), (len(token_ids) - 1) // self.block_size)
         pool = self.block_pool
         chains: dict[int, list[KVBlock]] = {}
@@ -358,7 +363,9 @@ class KVCacheManager:
             self.num_skipped_total += returned
         return len(freed)
 
-    def cache_blocks(self, request_id: str, num_computed_tokens: int, token_ids: Sequence[int]) -> None:
+    def cache_blocks(
+        self, request_id: str, num_computed_tokens: int, token_ids: Sequence[int], extra_keys: tuple = ()
+    ) -> None:
         """Register the request's blocks that are full of computed K/V in the prefix cache.
 
         Called after the step that computed them (not at allocation): a request withdrawn
@@ -368,7 +375,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        hashes = self._block_hashes(request_id, token_ids, num_computed_tokens)
+        hashes = self._block_hashes(request_id, token_ids, num_computed_tokens, extra_keys)
         for g in range(self.num_groups):
             blocks = self.tables[g].get(request_id, [])
             start = self._num_registered[g].get(request_id, 0)

@@ -12,10 +12,13 @@ else (``why_not``):
 - every layer's four linears hold GGUF blocks of a type the stack knows (Q4_1, Q8_0), no biases;
 - the model computes in fp32 and every layer's KV cache is fp32 and contiguous.
 - every layer's MLP is dense (the stack has no mixture-of-experts routing);
-- no linear takes int8 activations (``activation_dtype="int8"``: the stack multiplies in fp32).
+- no linear takes int8 activations (``activation_dtype="int8"``: the stack multiplies in fp32);
+- no row of the step has a LoRA adapter (the deltas are added by ``Linear``, which the stack
+  bypasses; a LoRA-enabled engine's steps of base-model requests alone still take the stack).
 
-A feature that changes what a layer computes (LoRA deltas, tensor-parallel shards, a quantized
-KV cache, ...) must add its condition to ``why_not``; the stack never silently skips it.
+A feature that changes what a layer computes (tensor-parallel shards, a quantized KV cache,
+...) must add its condition to ``why_not`` (or, when it changes per step, to ``get``); the
+stack never silently skips it.
 """
 
 from __future__ import annotations
@@ -84,8 +87,12 @@ class FusedDecoderStack:
         first, last = cache_parts(kv_caches[0][0])[0], cache_parts(kv_caches[-1][1])[0]
         return packed_generation(), first.data_ptr(), last.data_ptr(), len(kv_caches)
 
-    def get(self, model, backend: AttentionBackend, kv_caches, num_tokens: int) -> "_NativePlan | None":
+    def get(self, model, backend: AttentionBackend, kv_caches, num_tokens: int, lora=None) -> "_NativePlan | None":
+        """The plan to run this step with, or None. ``lora``: the model's LoRA context, if any
+        (its ``mapping`` is set when some row of the step has an adapter)."""
         if num_tokens > PACKED_MAX_ROWS or not backend.fused_decoder_stack or not ops.enabled():
+            return None
+        if lora is not None and lora.mapping is not None:
             return None
         key = self._key_of(kv_caches)
         if key != self._key:

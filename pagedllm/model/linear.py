@@ -63,6 +63,9 @@ class Linear(nn.Module):
         # activation_dtype="int8": the weight as int8 panels (quantization/int8_activations.py).
         # When set, it is the layer's only form and every step runs on it.
         self.int8 = None
+        # LoRA (pagedllm/lora/slots.py: LinearSlots): adds each adapter row's delta to the base
+        # output, in place. Set only on engines with LoRA enabled.
+        self.lora = None
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "packed":
@@ -132,6 +135,15 @@ class Linear(nn.Module):
         return self.weight.dtype if self.panels is None and self.weight is not None else torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is None:
+            return self.base_forward(x)
+        y = self.base_forward(x)
+        self.lora.add_delta(x, y)
+        return y
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's own output, from whichever form of the weight serves this many rows
+        (always a new tensor, which LoRA adds to in place)."""
         if self.int8 is not None:  # the opt-in fast mode
             return self.int8.forward(x, self.bias)
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:

@@ -157,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
                             for i in range(arch.num_layers)]  # fmt: skip
         self.requires_grad_(False)
         self.fused_stack = FusedDecoderStack()  # the one-call decoder for small steps, when eligible
+        # LoRA-enabled engines: the step's adapter row mapping, read by the adapted linears
+        # (pagedllm/lora/slots.py: LoRAContext, set by the runner each step).
+        self.lora_context = None
 
     @torch.inference_mode()
     def forward(
@@ -173,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         metas = per_layer(meta, len(self.layers))
         if metas is None:
-            stack = self.fused_stack.get(self, backend, kv_caches, input_ids.shape[0])
+            stack = self.fused_stack.get(self, backend, kv_caches, input_ids.shape[0], self.lora_context)
             if stack is not None:
                 return stack.run(residual.contiguous(), positions, meta)
         # Submodules' forward() is called directly: at one token per step nn.Module's call

@@ -22,6 +22,8 @@ from pagedllm.attention.kv_cache_dtype import (
 )  # fmt: skip
 from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.kv_connector.worker_side import WorkerConnector
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -45,11 +47,12 @@ class CachedRequestState:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     spec_backoff: int = 0  # speculative decoding: see spec_decode/proposer.py
     spec_skip: int = 0
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         state = cls(new.req_id, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
-                    new.eos_token_ids, new.bad_words_token_ids)  # fmt: skip
+                    new.eos_token_ids, new.bad_words_token_ids, lora_request=new.lora_request)  # fmt: skip
         state.token_ids = list(new.prompt_token_ids) + state.output_token_ids
         return state
 
@@ -88,8 +91,10 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
         draft_model: LlamaForCausalLM | None = None,
+        lora: tuple[int, int, int] | None = None,
     ):
-        """``draft_model``: the loaded draft of ``speculative_config`` method "draft_model"."""
+        """``draft_model``: the loaded draft of ``speculative_config`` method "draft_model";
+        ``lora``: (max_loras, max_lora_rank, max_cpu_loras) to serve LoRA adapters."""
         self.model = model
         self.arch = model.arch
         self.device = torch.device(device)
@@ -119,6 +124,11 @@ class ModelRunner:
             self.proposer = make_proposer(speculative_config, model, draft_model, DraftPool(
                 num_blocks, block_size, max_model_len, self.kv_spec, self.backend, self.device))  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
+        # LoRA: the adapters' slot table and LRU; the model's linears read its step mapping.
+        self.lora: LoRAManager | None = None
+        if lora is not None:
+            self.lora = LoRAManager(model, *lora)
+            model.lora_context = self.lora.context
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
         self.kv_connector: WorkerConnector | None = None  # set by the engine (kv_transfer_config)
@@ -222,8 +232,13 @@ class ModelRunner:
         """
         sched = out.scheduled
         states = [self.requests[s.req_id] for s in sched]
-        # Decode rows (one query token) first: the backend batches them in one call.
-        order = sorted(range(len(sched)), key=lambda i: sched[i].num_new_tokens != 1)
+        # Decode rows (one query token) first: the backend batches them in one call. With LoRA,
+        # each adapter's rows next to each other (one run among the decodes, one among the rest).
+        if self.lora is None:
+            order = sorted(range(len(sched)), key=lambda i: sched[i].num_new_tokens != 1)
+        else:
+            lora_slots = self.lora.prepare_step([st.lora_request for st in states])
+            order = sorted(range(len(sched)), key=lambda i: (sched[i].num_new_tokens != 1, lora_slots[i]))
         bs = self.block_size
         num_seqs = len(order)
         q_lens = np.array([sched[i].num_new_tokens for i in order], dtype=np.int64)
@@ -268,13 +283,19 @@ class ModelRunner:
             ))  # fmt: skip
         # One metadata for every layer, or each layer its group's.
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
-        hidden = self.model(
-            torch.tensor(tokens, dtype=torch.int64, device=dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_caches,
-            self.backend,
-            meta,
-        )
+        if self.lora is not None:
+            self.lora.context.mapping = LoRAManager.mapping([lora_slots[i] for i in order], q_lens_list)
+        try:
+            hidden = self.model(
+                torch.tensor(tokens, dtype=torch.int64, device=dev),
+                torch.from_numpy(positions).to(dev),
+                self.kv_caches,
+                self.backend,
+                meta,
+            )
+        finally:
+            if self.lora is not None:
+                self.lora.context.mapping = None
         if self.kv_connector is not None:  # the step's K/V is written: copy newly full blocks out
             self.kv_connector.save(out.kv_connector_metadata, [s.req_id for s in sched], self.block_tensors())
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.kv_connector.base import KVConnectorMetadata
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     bad_words_token_ids: list[list[int]]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

@@ -42,6 +42,14 @@ class WaitingQueue:
         else:
             self.add(req)
 
+    def prepend(self, reqs: list[Request]) -> None:
+        """Put back requests popped in this order (skipped by one step), ahead of the rest."""
+        if self.policy == "fcfs":
+            self._items.extendleft(reversed(reqs))  # type: ignore[union-attr]
+        else:
+            for req in reqs:
+                self.add(req)
+
     def peek(self) -> Request:
         return self._items[0]
 

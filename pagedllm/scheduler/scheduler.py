@@ -10,6 +10,10 @@ tokens, so only the rest counts against the budget (with a KV connector, then th
 store supplies: kv_connector/). ``long_prefill_token_threshold`` caps one
 request's chunk per step so that several long prompts progress together.
 
+With LoRA (``max_loras`` > 0), the running requests use at most ``max_loras`` distinct adapters
+(the runner has that many slots); a waiting request whose adapter would be one more is passed
+over this step, keeping its place, and the requests behind it may still be admitted.
+
 When a running request cannot get a block, a victim chosen by the policy (fcfs: the most
 recently admitted) is preempted: its blocks are freed and it goes back to the waiting
 queue, to be recomputed from its prompt and the tokens it already generated (outputs do not
@@ -42,6 +46,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"  # or "swap"
+    # LoRA: most distinct adapters among running requests (one slot each); 0 = LoRA off.
+    max_loras: int = 0
 
 
 class Scheduler:
@@ -121,9 +127,15 @@ class Scheduler:
                 out.scheduled.append(self._scheduled(req, n, spec=spec))
                 budget -= n + len(spec)
 
-        # 2. Waiting requests; under fcfs not in a step that had to preempt for blocks.
+        # 2. Waiting requests; under fcfs not in a step that had to preempt for blocks. A request
+        # whose LoRA adapter would exceed max_loras waits, without holding up those behind it.
+        loras = self._running_loras()
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs"):
             req = self.waiting.peek()
+            if loras is not None and req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 refund = self._preempt_for(req, out)
                 if refund is None:
@@ -134,7 +146,7 @@ class Scheduler:
             # Prompt logprobs need every prompt position computed: no cache hits for them.
             wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
             hits = (
-                self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+                self.kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_keys)
                 if req.num_computed_tokens == 0 and not wants_prompt_logprobs
                 else []
             )
@@ -167,11 +179,14 @@ class Scheduler:
             req.num_computed_tokens = num_computed + num_external
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if loras is not None and req.lora_int_id:
+                loras.add(req.lora_int_id)
             out.scheduled.append(self._scheduled(req, n, new=True))
             if self.kv_connector is not None:
                 self.kv_connector.on_allocated(req.request_id, out.scheduled[-1].block_ids)
             budget -= n
 
+        self.waiting.prepend(skipped)
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.block_copies = self.kv.take_pending_copies()
         out.swap_out, out.swap_in = self.kv.take_pending_swaps()
@@ -182,6 +197,12 @@ class Scheduler:
         if debug:
             self._log_step(out, marks)
         return out
+
+    def _running_loras(self) -> set[int] | None:
+        """The adapters of the running requests (None with LoRA off)."""
+        if not self.config.max_loras:
+            return None
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
 
     def _kv_marks(self) -> tuple[int, int, int]:
         kv = self.kv
@@ -250,6 +271,7 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 eos_token_ids=req.eos_token_ids,
                 bad_words_token_ids=req.bad_words_token_ids,
+                lora_request=req.lora_request,
             )
         samples = req.num_computed_tokens + n == req.num_tokens
         block_ids, *other_groups = self.kv.get_group_block_ids(req.request_id)
@@ -313,7 +335,7 @@ class Scheduler:
             rejected = 0 if accepted is None else len(sched.spec_token_ids) - accepted
             req.num_computed_tokens += sched.num_new_tokens - rejected
             req.spec_token_ids = drafts[i] if drafts else []
-            self.kv.cache_blocks(req.request_id, min(req.num_computed_tokens, req.num_tokens), req.all_token_ids)
+            self.kv.cache_blocks(req.request_id, min(req.num_computed_tokens, req.num_tokens), req.all_token_ids, req.cache_keys)
             self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)  # e.g. behind a sliding window
             for token in tokens:
                 req.append_output_token(token)

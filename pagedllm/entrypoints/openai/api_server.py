@@ -31,7 +31,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.serving import OpenAIServing, RequestFailedError
 
@@ -59,6 +61,34 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
+    # LoRA adapters served from the start, (name, path) (--lora-modules), and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter exist (PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updating: bool = False
+
+
+RUNTIME_LORA_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules entries: ``name=path``, or vLLM's JSON ``{"name": ..., "path": ...}``."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                obj = json.loads(value)
+                name, path = obj["name"], obj["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {value!r} is not {{\"name\": ..., \"path\": ...}}") from None
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {value!r} is not name=path")
+        modules.append((str(name), str(path)))
+    names = [n for n, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: a name is given twice in {', '.join(names)}")
+    return modules
 
 
 def error_response(
@@ -207,9 +237,16 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         return error_response(500, f"internal error (error id {error_id})", "InternalServerError")
 
     def check_model(name: str | None) -> JSONResponse | None:
-        if name is not None and name not in (served_model_name, model_root):
+        if name is not None and name not in (served_model_name, model_root) and name not in serving.loras:
             return error_response(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return None
+
+    for name, path in config.lora_modules:  # loaded (and checked) before the server answers anyone
+        if name in (served_model_name, model_root):
+            raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+        lora = serving.new_lora_request(name, path)
+        llm.engine.add_lora(lora)
+        serving.loras[name] = lora
 
     def respond(result: Any) -> Response:
         if isinstance(result, Response):
@@ -230,19 +267,36 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "pagedllm",
-                    "root": model_root,
-                    "max_model_len": serving.max_model_len,
-                }
-            ],
-        }
+        created = int(time.time())
+        base = {"object": "model", "created": created, "owned_by": "pagedllm", "max_model_len": serving.max_model_len}
+        data = [{"id": served_model_name, **base, "root": model_root, "parent": None}]
+        data += [{"id": name, **base, "root": lora.lora_path, "parent": served_model_name} for name, lora in serving.loras.items()]
+        return {"object": "list", "data": data}
+
+    if config.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+            if llm.engine.runner.lora is None:
+                raise ValueError("LoRA is not enabled; start the server with --enable-lora")
+            name = req.lora_name
+            if name in serving.loras or name in (served_model_name, model_root):
+                raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+            lora = serving.new_lora_request(name, req.lora_path)
+            await llm.run_in_engine(lambda engine: engine.add_lora(lora))  # ValueError -> 400, nothing changed
+            serving.loras[name] = lora
+            logger.info("LoRA adapter %r loaded from %s", name, req.lora_path)
+            return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+            lora = serving.loras.pop(req.lora_name, None)
+            if lora is None:
+                return error_response(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError", "lora_name")
+            # Requests already running with it finish with it; new ones can no longer name it.
+            await llm.run_in_engine(lambda engine: engine.remove_lora(lora.lora_int_id))
+            logger.info("LoRA adapter %r unloaded", req.lora_name)
+            return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -302,6 +356,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted; a second signal exits at once (default: %(default)s)")
     g.add_argument("--enable-auto-tool-choice", action="store_true", help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="how to find tool calls in the model's text for tool_choice auto")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="LoRA adapters (PEFT directories) served under these names, selected by a request's model field; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'; needs --enable-lora. With PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1, POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
     g.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats log lines (default: %(default)s)")
 
 
@@ -325,6 +380,9 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {max_waiting}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not engine_config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     llm = AsyncLLM(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
     config = ServerConfig(
         served_model_name=args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME),
@@ -335,8 +393,14 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        lora_modules=tuple(lora_modules),
+        allow_runtime_lora_updating=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
     )
-    app = build_app(llm, config)
+    try:
+        app = build_app(llm, config)
+    except BaseException:
+        llm.shutdown()
+        raise
     grace = args.graceful_shutdown_timeout
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=grace + 5)
 

@@ -110,6 +110,18 @@ class ServerMetrics:
                   lambda: getattr(connector.store, "total_bytes", 0))  # fmt: skip
             gauge("kv_connector_hit_rate", "Blocks found in the KV store / blocks looked up, since the start (0..1).",
                   lambda: connector.stats.total.hit_rate)  # fmt: skip
+        # LoRA (vLLM's lora_requests_info): the adapters with running / waiting requests as
+        # labels, the value the time of the update; and the requests per adapter and state.
+        self.max_lora = str(engine.config.max_loras) if engine.config.enable_lora else None
+        if self.max_lora is not None:
+            self.lora_info = Gauge(
+                "pagedllm:lora_requests_info", "Running and waiting LoRA adapters (names, comma-separated).",
+                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r,
+            )  # fmt: skip
+            self.lora_requests = Gauge("pagedllm:lora_requests", "Requests per LoRA adapter, running or waiting.",
+                                       ["model_name", "lora_name", "state"], registry=r)  # fmt: skip
+            self.lora_info.labels(max_lora=self.max_lora, running_lora_adapters="", waiting_lora_adapters="").set(time.time())
+            self._lora_last: tuple | None = None
         self._engine = engine
         self._last_token_time: dict[str, float] = {}
         engine.stat_loggers.append(self)
@@ -124,6 +136,8 @@ class ServerMetrics:
         self.prefix_uncacheable.inc(stats.num_uncacheable_tokens)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        if stats.lora is not None and self.max_lora is not None:
+            self._record_lora(*stats.lora)
         if stats.spec is not None:
             self.spec_drafts.inc(stats.spec.num_drafts)
             self.spec_draft_tokens.inc(stats.spec.num_draft_tokens)
@@ -132,6 +146,19 @@ class ServerMetrics:
                 self.spec_per_pos.labels(position=str(j), **self.labels).inc(n)
         if stats.kv_connector is not None and self.kv_connector is not None:
             self.kv_connector.record(stats.kv_connector)
+
+    def _record_lora(self, running: dict[str, int], waiting: dict[str, int]) -> None:
+        key = (tuple(sorted(running.items())), tuple(sorted(waiting.items())))
+        if key == self._lora_last:  # nothing changed: keep the labels (and their time)
+            return
+        self._lora_last = key
+        self.lora_info.clear()
+        self.lora_info.labels(max_lora=self.max_lora, running_lora_adapters=",".join(sorted(running)),
+                              waiting_lora_adapters=",".join(sorted(waiting))).set(time.time())  # fmt: skip
+        self.lora_requests.clear()
+        for state, counts in (("running", running), ("waiting", waiting)):
+            for name, n in counts.items():
+                self.lora_requests.labels(lora_name=name, state=state, **self.labels).set(n)
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()

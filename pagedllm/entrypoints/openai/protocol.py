@@ -271,3 +271,17 @@ class DetokenizeRequest(BaseModel):
 
 
 ErrorType = Literal["BadRequestError", "NotFoundError", "AuthenticationError", "InternalServerError"]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's shape)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's shape; the id, if given, is not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -16,6 +16,7 @@ from pagedllm.engine.errors import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.tool_parsers import StreamingToolCalls, ToolCall, get_tool_parser
 from pagedllm.entrypoints.openai.tools import ToolChoice, resolve_tool_choice
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -67,11 +68,12 @@ async def _checked(request_id: str, stream: AsyncIterator[RequestOutput]) -> Asy
 
 
 async def _start(
-    llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
+    llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> list[AsyncIterator[RequestOutput]]:
     """Queue every prompt in one engine command: all are accepted or none."""
     ids = _request_ids(base_id, len(prompts))
-    streams = await llm.add_requests(prompts, params, ids, priority)
+    streams = await llm.add_requests(prompts, params, ids, priority, lora_request=lora_request)
     return [_checked(base_id, s) for s in streams]
 
 
@@ -149,6 +151,21 @@ class OpenAIServing:
         self.max_model_len = llm.engine.max_model_len
         self.trust_request_chat_template = trust_request_chat_template
         self.scheduling_policy = llm.engine.config.scheduling_policy
+        # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): the request's
+        # ``model`` picks one; the base model is ``served_model_name``.
+        self.loras: dict[str, LoRARequest] = {}
+        self._next_lora_id = 1
+
+    def response_model(self, req: Any) -> str:
+        """The ``model`` an answer names: the adapter asked for, else the base model."""
+        return req.model if req.model in self.loras else self.model_name
+
+    def new_lora_request(self, name: str, path: str) -> LoRARequest:
+        """A LoRARequest with a fresh id: an adapter loaded again under the same name (maybe
+        other files) never shares prefix-cache blocks with its earlier self."""
+        req = LoRARequest(name, self._next_lora_id, path)
+        self._next_lora_id += 1
+        return req
 
     def _check_priority(self, priority: int) -> None:
         if priority != 0 and self.scheduling_policy != "priority":
@@ -186,7 +203,7 @@ class OpenAIServing:
             raise ValueError(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS_PER_REQUEST} per request")
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await _start(self.llm, prompts, params, rid, req.priority)
+        streams = await _start(self.llm, prompts, params, rid, req.priority, self.loras.get(req.model or ""))
         if req.stream:
             ids = _request_ids(rid, len(prompts))
             return _aborting_on_exit(self.llm, ids, self._completion_stream(req, params, streams, rid, created))
@@ -223,7 +240,7 @@ class OpenAIServing:
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.response_model(req),
             "choices": data,
             "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
         }
@@ -250,7 +267,7 @@ class OpenAIServing:
                     "id": rid,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.model_name,
+                    "model": self.response_model(req),
                     "choices": [
                         {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     ],
@@ -264,7 +281,7 @@ class OpenAIServing:
                     "id": rid,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.model_name,
+                    "model": self.response_model(req),
                     "choices": [],
                     "usage": _usage(sum(prompt_tokens.values()), completion_tokens),
                 }
@@ -325,7 +342,8 @@ class OpenAIServing:
             tools = None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid, req.priority)
+        streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid, req.priority,
+                               self.loras.get(req.model or ""))  # fmt: skip
         if req.stream:
             return _aborting_on_exit(
                 self.llm, [rid], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids), tools)
@@ -356,7 +374,7 @@ class OpenAIServing:
             "id": rid,
             "object": "chat.completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.response_model(req),
             "choices": data,
             "usage": _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in choices), cached_tokens),
         }
@@ -375,7 +393,7 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name, "choices": choices}
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.response_model(req), "choices": choices}
             if with_usage:
                 body["usage"] = usage
             return _sse(body)
