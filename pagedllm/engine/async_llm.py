@@ -168,9 +168,10 @@ class AsyncLLM:
         async for out in await self.add_request(prompt, sampling_params, request_id):
             yield out
 
-    async def run_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine thread, between steps (e.g. loading a LoRA adapter:
-        the engine's state is only ever touched there); its result or exception comes back."""
+    async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps (loading a LoRA adapter, a
+        consistent lock-free read of its state for the dashboard: the engine's state is only
+        ever touched there); its result or exception comes back."""
         self._check_alive()
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._lock:
@@ -192,14 +193,6 @@ class AsyncLLM:
     def abort_all(self) -> None:
         """End every request now (shutdown): each stream gets a final 'abort' output."""
         self._command(("abort_all",))
-
-    async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """``fn(engine)`` on the engine thread between two steps (a consistent, lock-free read
-        of its state, e.g. the dashboard's snapshot); its result or exception comes back."""
-        self._check_alive()
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._command(("call", fn, done))
-        return await done
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
@@ -279,15 +272,6 @@ class AsyncLLM:
         elif kind == "abort":
             if cmd[1] in self._streams:
                 self._deliver(self.engine.abort_request(cmd[1]))
-        elif kind == "call":
-            _, fn, done = cmd
-            reply = _Stream(done.get_loop())
-            try:
-                result = fn(self.engine)
-            except Exception as e:
-                reply.put_call(_set_exception, done, e)
-                return
-            reply.put_call(_set_result, done, result)
         elif kind == "abort_all":
             for request_id in list(self._streams):
                 self._deliver(self.engine.abort_request(request_id))

@@ -283,7 +283,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             if name in serving.loras or name in (served_model_name, model_root):
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             lora = serving.new_lora_request(name, req.lora_path)
-            await llm.run_in_engine(lambda engine: engine.add_lora(lora))  # ValueError -> 400, nothing changed
+            await llm.call_in_engine(lambda engine: engine.add_lora(lora))  # ValueError -> 400, nothing changed
             serving.loras[name] = lora
             logger.info("LoRA adapter %r loaded from %s", name, req.lora_path)
             return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
@@ -294,7 +294,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             if lora is None:
                 return error_response(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError", "lora_name")
             # Requests already running with it finish with it; new ones can no longer name it.
-            await llm.run_in_engine(lambda engine: engine.remove_lora(lora.lora_int_id))
+            await llm.call_in_engine(lambda engine: engine.remove_lora(lora.lora_int_id))
             logger.info("LoRA adapter %r unloaded", req.lora_name)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
