@@ -80,6 +80,25 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _parse_json_config(cls: type, value: Any, name: str) -> Any:
+    """A config dataclass from a dict, a JSON string (the CLI's) or an instance; None stays None.
+    Errors name ``name`` (the engine argument) and any unknown key."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**value)
+
+
 # Speculative decoding: vLLM's ``speculative_config`` shape (the work is in spec_decode/).
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 
@@ -125,20 +144,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
         """From a dict, a JSON string (the CLI's) or an instance; None stays None."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return _parse_json_config(cls, value, "speculative_config")
 
 
 # KV connector (vLLM's ``kv_transfer_config`` shape; the work is in kv_connector/).
@@ -193,20 +199,7 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value: "KVTransferConfig | dict[str, Any] | str | None") -> "KVTransferConfig | None":
         """From a dict, a JSON string (the CLI's) or an instance; None stays None."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return _parse_json_config(cls, value, "kv_transfer_config")
 
 
 @dataclass
