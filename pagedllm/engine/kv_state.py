@@ -86,15 +86,6 @@ def kv_cache_state(engine: Any, recent: RecentStats | None = None) -> dict[str, 
         if len(holders) > 1:
             shared.append(block_id)
     codes = bytes.maketrans(b"\x00\x01\x02", (FREE + CACHED + USED).encode())
-    recent_part: dict[str, Any] = {}
-    if recent is not None:
-        queries, hits = recent.prefix_queries_total, recent.prefix_hits_total
-        recent_part = {
-            "window_seconds": recent.window,
-            "series": recent.series(),
-            "prefix_hit_rate_total": hits / queries if queries else None,
-            "num_preemptions_total": recent.num_preemptions_total,
-        }
     return {
         "time": time.time(),
         "num_blocks": pool.num_blocks,
@@ -110,5 +101,19 @@ def kv_cache_state(engine: Any, recent: RecentStats | None = None) -> dict[str, 
         "num_running": sum(r["queue"] == "running" for r in requests),
         "num_waiting": sum(r["queue"] == "waiting" for r in requests),
         "num_preemptions_total": engine.scheduler.num_preemptions_total,
-        "recent": recent_part,
+        "recent": recent_summary(recent),
+    }
+
+
+def recent_summary(recent: RecentStats | None) -> dict[str, Any]:
+    """The state's ``recent`` part (it can be filled in apart from the engine: with data
+    parallelism the snapshot comes from a replica process, the recent stats from the server's)."""
+    if recent is None:
+        return {}
+    queries, hits = recent.prefix_queries_total, recent.prefix_hits_total
+    return {
+        "window_seconds": recent.window,
+        "series": recent.series(),
+        "prefix_hit_rate_total": hits / queries if queries else None,
+        "num_preemptions_total": recent.num_preemptions_total,
     }
