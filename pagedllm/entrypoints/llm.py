@@ -35,10 +35,17 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        config = EngineConfig(model=model, **engine_args)
+        if config.data_parallel_size > 1:  # silently running one engine would mislead
+            raise ValueError(
+                "data_parallel_size > 1 runs replica processes behind a server or DPAsyncLLM "
+                "(pagedllm serve --data-parallel-size N; pagedllm.data_parallel.client.DPAsyncLLM); "
+                "LLM runs one engine in this process"
+            )
         # Process-wide settings belong to the entry point, not to the engine.
         configure_logging()
         configure_threads()
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args), log_stats_interval=log_stats_interval)
+        self.llm_engine = LLMEngine(config, log_stats_interval=log_stats_interval)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
