@@ -318,13 +318,16 @@ class DPAsyncLLM:
                 self._on_exit(r)
 
     def _on_exit(self, r: ReplicaProcess) -> None:
-        if self._stopped:
+        if self._stopped or r.rank in self._death_reason:
             return
-        r.process.join(timeout=2)
-        reason = self._death_reason.get(r.rank) or f"exited with code {r.process.exitcode}"
-        logger.critical("data-parallel replica %d (pid %s) is gone: %s", r.rank, r.pid, reason)
-        self.balancer.loads[r.rank].alive = False
-        self._die(EngineDeadError(f"data-parallel replica {r.rank} died: {reason}"))
+        r.process.join(timeout=1)  # for its exit code
+        self._replica_died(r.rank, f"exited with code {r.process.exitcode}")
+
+    def _replica_died(self, rank: int, reason: str) -> None:
+        logger.critical("data-parallel replica %d (pid %s) is gone: %s", rank, self.replicas[rank].pid, reason)
+        with self._lock:
+            self.balancer.loads[rank].alive = False
+        self._die(EngineDeadError(f"data-parallel replica {rank} died: {reason}"))
 
     def _on_message(self, rank: int, msg: tuple) -> None:
         kind = msg[0]
@@ -343,8 +346,9 @@ class DPAsyncLLM:
                 done = self._calls.pop(call_id, None)
             if done is not None and not done.done():
                 done.set_result(value) if ok else done.set_exception(value)
-        elif kind == "dead":
+        elif kind == "dead":  # it says so before exiting: fail everything now, not at its exit
             self._death_reason[rank] = msg[1]
+            self._replica_died(rank, msg[1])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
