@@ -28,8 +28,8 @@ async def _run(llm: DPAsyncLLM, prompt: list[int]) -> str:
         return str(e)
 
 
-# "sigkill" is what test_dp_server.py does to a server's replica; it is here for a direct check.
-@pytest.mark.parametrize("how", ["engine-fault", pytest.param("sigkill", marks=pytest.mark.slow)])
+# The engine fault path (the replica reports its death, then exits); test_dp_server.py kills one.
+@pytest.mark.parametrize("how", ["engine-fault"])
 def test_a_dying_replica_fails_every_request(tiny_llama_tok, monkeypatch, how):
     monkeypatch.setenv("PAGEDLLM_FAULT_INJECTION", f"engine_token={FAULT_TOKEN}")
     llm = DPAsyncLLM(EngineConfig(model=str(tiny_llama_tok), data_parallel_size=2, num_kv_blocks=64), log_stats_interval=1e9)
