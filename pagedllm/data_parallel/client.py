@@ -285,7 +285,13 @@ class DPAsyncLLM:
         self._stop_replicas()
         self._reader.join(timeout=5)
         self._workers.shutdown(wait=False, cancel_futures=True)
-        self._fail_all(EngineDeadError("the engine shut down"))
+        error = EngineDeadError("the engine shut down")
+        with self._lock:
+            calls, self._calls = self._calls, {}
+        for done in calls.values():
+            if not done.done():
+                done.set_exception(error)
+        self._fail_all(error)
 
     def _stop_replicas(self) -> None:
         self._stopped = True

@@ -12,7 +12,8 @@ The API process sends commands over a pipe (pickled tuples) and reads messages b
 
 Inputs arrive validated and tokenized (the API process runs the InputProcessor), so a replica
 only queues and steps. The replica exits when its command pipe closes: an API process that
-dies never leaves replicas behind.
+dies never leaves replicas behind. It ignores SIGINT (a terminal's Ctrl-C reaches the whole
+process group): the API process runs the graceful shutdown and then sends "stop".
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -172,6 +174,9 @@ class EngineCore:
 def run_replica(rank: int, size: int, config: EngineConfig, share: CpuShare, conn: Connection,
                 commands: Connection, log_stats_interval: float) -> None:  # fmt: skip
     """The replica process's entry point (multiprocessing spawn)."""
+    # Ctrl-C reaches the whole process group; the API process decides how to shut down (grace
+    # period, then "stop"), so a replica must not die of it and look like a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["PAGEDLLM_NUM_THREADS"] = str(share.num_threads)
     if share.cpus is not None:
         os.sched_setaffinity(0, share.cpus)
@@ -192,7 +197,7 @@ def run_replica(rank: int, size: int, config: EngineConfig, share: CpuShare, con
         logger.info("data-parallel replica %d/%d ready (pid %d, %d threads%s)", rank, size, os.getpid(),
                     share.num_threads, f", cores {list(share.cpus)}" if share.cpus else "")  # fmt: skip
         EngineCore(engine, conn, commands).run()
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the API process is gone
+    except (EOFError, BrokenPipeError):  # the API process is gone
         sys.exit(0)
     except BaseException as e:  # startup failed, or a fault the engine could not pin on a request
         logger.critical("data-parallel replica %d died: %s: %s", rank, type(e).__name__, e, exc_info=e)
