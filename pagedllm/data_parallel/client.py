@@ -35,8 +35,10 @@ from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model.loader import resolve_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -71,13 +73,16 @@ class DPAsyncLLM:
         self.reports = [ReplicaReport(0, 0, 0.0) for _ in range(size)]
         self.balancer = LoadBalancer(size, BalancerConfig(block_size=config.block_size))
         self.replicas = [ReplicaProcess(r, size, config, share_from_env(r, size), log_stats_interval) for r in range(size)]
+        self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input")
+        # The API process's tokenizer loads while the replicas load their models.
+        tokenizer = self._workers.submit(lambda: load_tokenizer(resolve_model(config.model)))
         try:
             facts = self._wait_ready(startup_timeout)
+            self.engine = EngineFrontend(config, facts, self._add_lora_everywhere, tokenizer.result())
         except BaseException:
             self._stop_replicas()
+            self._workers.shutdown(wait=False, cancel_futures=True)
             raise
-        self.engine = EngineFrontend(config, facts, self._add_lora_everywhere)
-        self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input")
         self._reader = threading.Thread(target=self._read_loop, name="pagedllm-dp-reader", daemon=True)
         self._reader.start()
         logger.info("data parallel: %d replicas ready (pids %s)", size, ", ".join(str(p) for p in self.replica_pids()))

@@ -23,11 +23,13 @@ from pagedllm.tokenizer import load_tokenizer
 class EngineFrontend:
     """The read-only face of an LLMEngine: config, model facts, input processing."""
 
-    def __init__(self, config: EngineConfig, facts: EngineFacts, add_lora: Callable[[LoRARequest], None]):
+    def __init__(self, config: EngineConfig, facts: EngineFacts, add_lora: Callable[[LoRARequest], None],
+                 tokenizer: Any | None = None):  # fmt: skip
+        """``tokenizer``: already loaded (while the replicas loaded theirs), else loaded here."""
         self.config = config
         self.source, self.arch = facts.source, facts.arch
         self.eos_token_ids, self.max_model_len = facts.eos_token_ids, facts.max_model_len
-        self.tokenizer: Any | None = load_tokenizer(facts.source)
+        self.tokenizer: Any | None = tokenizer if tokenizer is not None else load_tokenizer(facts.source)
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                         validate_structured=self.structured.validate)  # fmt: skip
