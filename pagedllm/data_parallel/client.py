@@ -15,6 +15,7 @@ EngineDeadError, new ones are refused, and the ``on_dead`` callbacks run (the se
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -73,6 +74,8 @@ class DPAsyncLLM:
         self.reports = [ReplicaReport(0, 0, 0.0) for _ in range(size)]
         self.balancer = LoadBalancer(size, BalancerConfig(block_size=config.block_size))
         self.replicas = [ReplicaProcess(r, size, config, share_from_env(r, size), log_stats_interval) for r in range(size)]
+        # Before multiprocessing's own exit hook joins the (non-daemon) replicas: stop them.
+        atexit.register(self._stop_replicas)
         self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input")
         # The API process's tokenizer loads while the replicas load their models.
         tokenizer = self._workers.submit(lambda: load_tokenizer(resolve_model(config.model)))
@@ -85,7 +88,8 @@ class DPAsyncLLM:
             raise
         self._reader = threading.Thread(target=self._read_loop, name="pagedllm-dp-reader", daemon=True)
         self._reader.start()
-        logger.info("data parallel: %d replicas ready (pids %s)", size, ", ".join(str(p) for p in self.replica_pids()))
+        logger.info("data parallel: %d replicas ready (pids %s; %d KV blocks each)", size,
+                    ", ".join(str(p) for p in self.replica_pids()), facts.num_kv_blocks)  # fmt: skip
 
     # ------------------------------------------------------------------ startup
     def _wait_ready(self, timeout: float) -> EngineFacts:
@@ -300,6 +304,7 @@ class DPAsyncLLM:
 
     def _stop_replicas(self) -> None:
         self._stopped = True
+        atexit.unregister(self._stop_replicas)
         for r in self.replicas:
             r.request_stop()
         for r in self.replicas:

@@ -32,7 +32,10 @@ class ReplicaProcess:
             target=run_replica,
             args=(rank, size, config, share, child_conn, child_commands, log_stats_interval),
             name=f"pagedllm-dp{rank}",
-            daemon=True,
+            # Not a daemon: a replica may start processes of its own (tensor / pipeline parallel
+            # workers), which daemons may not. It still never outlives us: it exits when its
+            # command pipe closes, and DPAsyncLLM stops it at exit.
+            daemon=False,
         )
         self.process.start()
         # Only the replica holds these ends now: its exit (or ours) shows as EOF on the other side.
