@@ -21,7 +21,9 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any, AsyncIterator, Callable
 
@@ -34,6 +36,7 @@ from pagedllm.data_parallel.replica import ReplicaProcess
 from pagedllm.engine.async_llm import _Stream
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.stats import StepStats
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model.loader import resolve_model
@@ -71,6 +74,7 @@ class DPAsyncLLM:
         self._counter = 0
         self._stopped = False
         self._death_reason: dict[int, str] = {}
+        self._lora_counts: dict[int, tuple[dict[str, int], dict[str, int]]] = {}  # replica -> its latest
         self.reports = [ReplicaReport(0, 0, 0.0) for _ in range(size)]
         self.balancer = LoadBalancer(size, BalancerConfig(block_size=config.block_size))
         self.replicas = [ReplicaProcess(r, size, config, share_from_env(r, size), log_stats_interval) for r in range(size)]
@@ -352,6 +356,7 @@ class DPAsyncLLM:
             self.reports[rank] = report
             self.balancer.loads[rank].kv_cache_usage = report.kv_cache_usage
             if stats is not None:
+                stats = self._merge_lora(rank, stats)
                 for stat_logger, replica in self._stat_loggers:
                     if replica is None or replica == rank:
                         stat_logger.record(stats)
@@ -365,6 +370,19 @@ class DPAsyncLLM:
         elif kind == "dead":  # it says so before exiting: fail everything now, not at its exit
             self._death_reason[rank] = msg[1]
             self._replica_died(rank, msg[1])
+
+    def _merge_lora(self, rank: int, stats: StepStats) -> StepStats:
+        """A step's per-adapter request counts are its replica's; the server's LoRA gauges
+        want every replica's, so the step carries the sums of each replica's latest."""
+        if stats.lora is None:
+            return stats
+        self._lora_counts[rank] = stats.lora
+        running: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        for r, w in self._lora_counts.values():
+            running.update(r)
+            waiting.update(w)
+        return replace(stats, lora=(dict(running), dict(waiting)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
