@@ -50,6 +50,8 @@ DEFAULT_STARTUP_TIMEOUT = 600.0  # seconds for every replica to load its model
 
 
 class DPAsyncLLM:
+    """``data_parallel_size`` engine replicas in processes, used like one AsyncLLM."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -59,6 +61,7 @@ class DPAsyncLLM:
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     ):
         configure_logging()
+        source = resolve_model(config.model)  # a bad model path is a ValueError before any process starts
         size = config.data_parallel_size
         self.data_parallel_size = size
         # Per replica: a replica refuses new requests while this many wait in its own queue.
@@ -82,7 +85,7 @@ class DPAsyncLLM:
         atexit.register(self._stop_replicas)
         self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input")
         # The API process's tokenizer loads while the replicas load their models.
-        tokenizer = self._workers.submit(lambda: load_tokenizer(resolve_model(config.model)))
+        tokenizer = self._workers.submit(load_tokenizer, source)
         try:
             facts = self._wait_ready(startup_timeout)
             self.engine = EngineFrontend(config, facts, self._add_lora_everywhere, tokenizer.result())
