@@ -95,6 +95,21 @@ def test_bad_input_is_a_400_before_routing(server):
     assert r.status_code == 400
 
 
+def test_disconnect_aborts_on_the_owning_replica(server):
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 4:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if server.metric("pagedllm:dp_replica_num_requests") == 0 and server.metric("pagedllm:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert server.metric("pagedllm:dp_replica_num_requests") == 0
+    assert server.metric("pagedllm:num_requests_running") == 0
+
+
 def test_a_dead_replica_fails_the_server_cleanly(server):
     """Last: kills a replica. The in-flight stream ends with an error event, /health is 503,
     and the server exits non-zero on its own."""
