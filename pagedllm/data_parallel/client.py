@@ -35,7 +35,8 @@ from pagedllm.data_parallel.load_balancer import BalancerConfig, LoadBalancer
 from pagedllm.data_parallel.replica import ReplicaProcess
 from pagedllm.engine.async_llm import _Stream
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.input_processor import ProcessedRequest, PromptType
+from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.engine.stats import StepStats
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
@@ -155,16 +156,23 @@ class DPAsyncLLM:
         request_ids: list[str],
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue several prompts on one replica in one command (all or none); their streams.
 
         The replica is the balancer's choice for the first prompt. Raises ValueError for bad
         input (before routing), EngineOverloadedError when that replica's waiting queue is
-        full, EngineDeadError when the engine is gone.
+        full, EngineDeadError when the engine is gone. A prompt may come already validated (a
+        ProcessedRequest: ``sampling_params`` and ``priority`` are then its own).
+        ``output_kind``: deltas (a server's streams) or only the final output (offline use).
         """
         self._check_alive()
         processor = self.engine.processor
-        processed = await self.run_in_worker(lambda: [processor.process(p, sampling_params, priority) for p in prompts])
+
+        def process(p: PromptType | ProcessedRequest) -> ProcessedRequest:
+            return p if isinstance(p, ProcessedRequest) else processor.process(p, sampling_params, priority)
+
+        processed = await self.run_in_worker(lambda: [process(p) for p in prompts])
         for p in processed:
             p.lora_request = lora_request
         loop = asyncio.get_running_loop()
@@ -181,7 +189,8 @@ class DPAsyncLLM:
             self.balancer.loads[rank].num_requests += len(request_ids)
             call_id, accepted = self._new_call()
             try:
-                self.replicas[rank].send(("add", call_id, list(zip(request_ids, processed)), self.max_waiting_requests))
+                items = list(zip(request_ids, processed))
+                self.replicas[rank].send(("add", call_id, items, self.max_waiting_requests, output_kind))
             except BaseException:
                 self._calls.pop(call_id, None)
                 self._forget(request_ids)

@@ -2,7 +2,7 @@
 
 The API process sends commands over a pipe (pickled tuples) and reads messages back:
 
-    API -> replica:  ("add", call_id, [(request_id, ProcessedRequest)], max_waiting)
+    API -> replica:  ("add", call_id, [(request_id, ProcessedRequest)], max_waiting, RequestOutputKind)
                      ("abort", request_id) | ("abort_all",) | ("call", call_id, fn) | ("stop",)
     replica -> API:  ("ready", EngineFacts) once loaded
                      ("step", [RequestOutput], StepStats | None, ReplicaReport) after each step
@@ -112,9 +112,9 @@ class EngineCore:
     def handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, call_id, items, max_waiting = cmd
+            _, call_id, items, max_waiting, output_kind = cmd
             try:
-                self.add_all(items, max_waiting)
+                self.add_all(items, max_waiting, output_kind)
             except Exception as e:
                 self.send(("reply", call_id, False, _picklable(e)))
                 return
@@ -134,7 +134,8 @@ class EngineCore:
             for request_id in list(self._live):
                 self.deliver("outputs", self.engine.abort_request(request_id), None)
 
-    def add_all(self, items: list[tuple[str, ProcessedRequest]], max_waiting: int | None) -> None:
+    def add_all(self, items: list[tuple[str, ProcessedRequest]], max_waiting: int | None,
+                output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> None:  # fmt: skip
         """Add every item or none (a failure withdraws the ones already added)."""
         waiting = len(self.engine.scheduler.waiting)
         if max_waiting is not None and waiting + len(items) > max_waiting:
@@ -147,7 +148,7 @@ class EngineCore:
             for request_id, processed in items:
                 if request_id in self._live:
                     raise ValueError(f"request_id {request_id!r} is already in use")
-                self.engine.add_request(processed, request_id=request_id, output_kind=RequestOutputKind.DELTA)
+                self.engine.add_request(processed, request_id=request_id, output_kind=output_kind)
                 self._live.add(request_id)
                 added.append(request_id)
         except Exception:

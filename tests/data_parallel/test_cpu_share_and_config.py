@@ -24,13 +24,6 @@ def test_cli_flag():
     assert engine_config_from_args(p.parse_args([])).data_parallel_size == 1
 
 
-def test_offline_llm_refuses_data_parallel():
-    from pagedllm import LLM
-
-    with pytest.raises(ValueError, match="data_parallel_size"):
-        LLM(data_parallel_size=2)
-
-
 def test_one_core_each_on_two_cores():
     cpus = [0, 1]
     assert replica_cpu_share(0, 2, cpus).num_threads == 1
