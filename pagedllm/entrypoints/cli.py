@@ -104,7 +104,14 @@ ENGINE_BENCHES = {
 }
 
 
+# The engine benchmarks that run with --data-parallel-size > 1 (the others read one engine's state).
+DATA_PARALLEL_BENCHES = {"throughput"}
+
+
 def _run_engine_bench(module, args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1 and args.bench not in DATA_PARALLEL_BENCHES:
+        raise ValueError(f"bench {args.bench} runs one engine; --data-parallel-size works with: {', '.join(sorted(DATA_PARALLEL_BENCHES))} "
+                         "(and `pagedllm bench serve` against `pagedllm serve --data-parallel-size N`)")  # fmt: skip
     module.run(args, engine_config_from_args(args).to_dict())
     return 0
 
