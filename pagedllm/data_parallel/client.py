@@ -72,7 +72,7 @@ class DPAsyncLLM:
         self.output_hooks: list[Any] = []
         self._stat_loggers: list[tuple[Any, int | None]] = []
         self._lock = threading.Lock()  # streams, calls, balancer state, death
-        self._streams: dict[str, tuple[int, _Stream]] = {}
+        self._streams: dict[str, tuple[int, _Stream, ProcessedRequest]] = {}  # request id -> replica, stream, input
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._counter = 0
@@ -184,8 +184,8 @@ class DPAsyncLLM:
                 raise ValueError(f"request_id {(taken or request_ids)[0]!r} is already in use")
             salt = lora_request.lora_int_id if lora_request is not None else 0
             rank = self.balancer.choose(processed[0].prompt_token_ids, salt) if processed else 0
-            for rid, stream in zip(request_ids, streams):
-                self._streams[rid] = (rank, stream)
+            for rid, stream, req in zip(request_ids, streams, processed):
+                self._streams[rid] = (rank, stream, req)
             self.balancer.loads[rank].num_requests += len(request_ids)
             call_id, accepted = self._new_call()
             try:
@@ -398,12 +398,14 @@ class DPAsyncLLM:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            for hook in self.output_hooks:
-                hook(out)
             with self._lock:
                 entry = self._streams.get(out.request_id)
                 if entry is not None and out.finished:
                     self._forget([out.request_id])
+            if entry is not None:  # the replica leaves the prompt out (core_proc._without_prompt)
+                out.prompt, out.prompt_token_ids = entry[2].prompt, entry[2].prompt_token_ids
+            for hook in self.output_hooks:
+                hook(out)
             if entry is not None:
                 entry[1].put(out)
 
@@ -425,7 +427,7 @@ class DPAsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
-            streams = [s for _, s in self._streams.values()]
+            streams = [s for _, s, _ in self._streams.values()]
             self._forget(list(self._streams))
         for stream in streams:
             stream.put(error)

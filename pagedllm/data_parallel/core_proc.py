@@ -6,6 +6,7 @@ The API process sends commands over a pipe (pickled tuples) and reads messages b
                      ("abort", request_id) | ("abort_all",) | ("call", call_id, fn) | ("stop",)
     replica -> API:  ("ready", EngineFacts) once loaded
                      ("step", [RequestOutput], StepStats | None, ReplicaReport) after each step
+                     (outputs without their prompt: the API process has it)
                      ("outputs", [RequestOutput], None, ReplicaReport) for outputs between steps
                      ("reply", call_id, ok, value) for "add" and "call"
                      ("dead", reason) before exiting on a fault it cannot pin on a request
@@ -24,7 +25,7 @@ import pickle
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -160,7 +161,7 @@ class EngineCore:
     def deliver(self, kind: str, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         connector = self.engine.kv_connector
         now: list[RequestOutput] = []
-        for out in outputs:
+        for out in map(_without_prompt, outputs):
             if out.finished:
                 self._live.discard(out.request_id)
             if out.finished and connector is not None and connector.config.holds_outputs:
@@ -170,6 +171,12 @@ class EngineCore:
                 now.append(out)
         if now or stats is not None:
             self.send((kind, now, stats, self.report()))
+
+
+def _without_prompt(out: RequestOutput) -> RequestOutput:
+    """The output without its prompt, which every delta repeats: the API process has it and puts
+    it back (DPAsyncLLM._deliver), so a long prompt does not cross the pipe every step."""
+    return replace(out, prompt=None, prompt_token_ids=[])
 
 
 def run_replica(rank: int, size: int, config: EngineConfig, share: CpuShare, conn: Connection,

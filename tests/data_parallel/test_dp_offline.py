@@ -19,6 +19,8 @@ def test_offline_dp2_equals_one_engine(tiny_llama_tok):
         outs = dp.generate(prompts, params, use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
         assert outs[-1].outputs[0].text == ref[-1].outputs[0].text and outs[-1].outputs[0].logprobs
+        # Replicas leave the prompt out of their outputs; the API process puts it back.
+        assert [(o.prompt, o.prompt_token_ids) for o in outs] == [(o.prompt, o.prompt_token_ids) for o in ref]
         with pytest.raises(ValueError, match="max_tokens"):
             dp.generate(["ok", "bad"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=10**9)])
         assert dp.data_parallel.num_in_flight() == 0
