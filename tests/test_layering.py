@@ -24,6 +24,7 @@ LAYERS = {
     "scheduler": 4, "model": 4, "spec_decode": 4,
     "runner": 5, "tokenizer": 5, "structured_output": 5,
     "engine": 6,
+    "data_parallel": 6.5,  # replicas of the engine in processes, behind a load balancer
     "entrypoints": 7,
     "bench": 8,
     "cli": 9, "__init__": 9,

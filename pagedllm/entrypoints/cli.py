@@ -48,6 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=defaults["max_loras"], help="most distinct LoRA adapters in one step, one preallocated slot each (default: %(default)s)")
     g.add_argument("--max-lora-rank", type=int, default=defaults["max_lora_rank"], help="highest adapter rank the slots hold; a higher-rank adapter is refused (default: %(default)s)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept loaded (an LRU; default: --max-loras)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=defaults["data_parallel_size"], help="engine replicas, one process each (own model copy and KV pool: --kv-cache-space is per replica), behind one server that routes by load and prefix affinity; each gets its share of the cores (docs/parallelism.md) (default: %(default)s)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
@@ -103,7 +104,14 @@ ENGINE_BENCHES = {
 }
 
 
+# The engine benchmarks that run with --data-parallel-size > 1 (the others read one engine's state).
+DATA_PARALLEL_BENCHES = {"throughput"}
+
+
 def _run_engine_bench(module, args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1 and args.bench not in DATA_PARALLEL_BENCHES:
+        raise ValueError(f"bench {args.bench} runs one engine; --data-parallel-size works with: {', '.join(sorted(DATA_PARALLEL_BENCHES))} "
+                         "(and `pagedllm bench serve` against `pagedllm serve --data-parallel-size N`)")  # fmt: skip
     module.run(args, engine_config_from_args(args).to_dict())
     return 0
 
