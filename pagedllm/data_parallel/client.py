@@ -33,7 +33,7 @@ from pagedllm.data_parallel.cpu_share import share_from_env
 from pagedllm.data_parallel.frontend import EngineFrontend
 from pagedllm.data_parallel.load_balancer import BalancerConfig, LoadBalancer
 from pagedllm.data_parallel.replica import ReplicaProcess
-from pagedllm.engine.async_llm import _Stream
+from pagedllm.engine.async_llm import RequestStreams, _Stream
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.input_processor import ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import RequestOutputKind
@@ -50,7 +50,7 @@ logger = logging.getLogger("pagedllm.engine")
 DEFAULT_STARTUP_TIMEOUT = 600.0  # seconds for every replica to load its model
 
 
-class DPAsyncLLM:
+class DPAsyncLLM(RequestStreams):
     """``data_parallel_size`` engine replicas in processes, used like one AsyncLLM."""
 
     def __init__(
@@ -213,34 +213,6 @@ class DPAsyncLLM:
             entry = self._streams.pop(rid, None)
             if entry is not None:
                 self.balancer.loads[entry[0]].num_requests -= 1
-
-    async def add_request(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        (stream,) = await self.add_requests([prompt], sampling_params, [request_id or self.new_request_id()], priority)
-        return stream
-
-    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # the consumer went away (client disconnect): free the blocks now
-                self.abort(request_id)
-
-    async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        async for out in await self.add_request(prompt, sampling_params, request_id):
-            yield out
 
     def _send_call(self, rank: int, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         with self._lock:

@@ -57,7 +57,43 @@ class _Stream:
             pass
 
 
-class AsyncLLM:
+class RequestStreams:
+    """What every async front of the engine shares (this in-process one, data parallel's):
+    a request's delta outputs as an async iterator, aborted when its consumer goes away.
+    Subclasses provide ``add_requests``, ``abort`` and ``new_request_id``."""
+
+    async def add_request(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue one request; once the engine accepted it, return its stream of delta outputs."""
+        (stream,) = await self.add_requests([prompt], sampling_params, [request_id or self.new_request_id()], priority)
+        return stream
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect): free the blocks now
+                self.abort(request_id)
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """``async for out in llm.generate(...)``: delta outputs until the request finishes."""
+        async for out in await self.add_request(prompt, sampling_params, request_id):
+            yield out
+
+
+class AsyncLLM(RequestStreams):
     def __init__(
         self,
         config: EngineConfig,
@@ -138,36 +174,6 @@ class AsyncLLM:
                 self.abort(rid)
             raise
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
-
-    async def add_request(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue one request; once the engine accepted it, return its stream of delta outputs."""
-        (stream,) = await self.add_requests([prompt], sampling_params, [request_id or self.new_request_id()], priority)
-        return stream
-
-    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # the consumer went away (client disconnect): free the blocks now
-                self.abort(request_id)
-
-    async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """``async for out in llm.generate(...)``: delta outputs until the request finishes."""
-        async for out in await self.add_request(prompt, sampling_params, request_id):
-            yield out
 
     async def call_in_engine(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:
         """Run ``fn(engine)`` on the engine thread between two steps (loading a LoRA adapter, a

@@ -21,9 +21,6 @@ from pagedllm.model.linear import Linear
 
 logger = logging.getLogger("pagedllm.model")
 
-HUGE_PAGE = 2 << 20
-ALIGN = 64  # a cache line: each layer's blocks start on one
-
 
 def gather_packed(model: nn.Module) -> int:
     """Move every ``Linear.packed`` (CPU) into one huge-page-backed buffer, in module order (the
@@ -32,14 +29,16 @@ def gather_packed(model: nn.Module) -> int:
               and m.packed.is_cpu and m.packed.dtype == torch.uint8]  # fmt: skip
     if not layers or not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0
-    sizes = [-(-m.packed.numel() // ALIGN) * ALIGN for m in layers]
-    buf = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Exactly the blocks' bytes (memory estimates count them): Linux (6.7+) places an anonymous
+    # mapping this large on a huge-page boundary by itself; older kernels still back its
+    # aligned interior with huge pages.
+    buf = mmap.mmap(-1, sum(m.packed.numel() for m in layers), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive
-    offset = -arena.data_ptr() % HUGE_PAGE  # start on a huge-page boundary
-    for m, size in zip(layers, sizes):
+    offset = 0
+    for m in layers:
         view = arena[offset : offset + m.packed.numel()].view(m.packed.shape)
         view.copy_(m.packed)
         m.packed = view  # a new generation: the one-call decoder stack rebuilds its pointers
-        offset += size
+        offset += m.packed.numel()
     return offset
