@@ -128,22 +128,6 @@ class DPAsyncLLM(RequestStreams):
     def replica_pids(self) -> list[int]:
         return [r.pid or 0 for r in self.replicas]
 
-    def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._counter += 1
-            return f"{prefix}-{self._counter}"
-
-    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run CPU-heavy request work (chat templates, tokenizing) off the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, lambda: fn(*args, **kwargs))
-
-    def _check_alive(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
-
     def _new_call(self) -> tuple[int, concurrent.futures.Future]:
         call_id, fut = next(self._call_ids), concurrent.futures.Future()
         self._calls[call_id] = fut

@@ -59,8 +59,26 @@ class _Stream:
 
 class RequestStreams:
     """What every async front of the engine shares (this in-process one, data parallel's):
-    a request's delta outputs as an async iterator, aborted when its consumer goes away.
-    Subclasses provide ``add_requests``, ``abort`` and ``new_request_id``."""
+    a request's delta outputs as an async iterator, aborted when its consumer goes away;
+    request ids; work off the event loop; the liveness check. Subclasses provide
+    ``add_requests`` and ``abort``, and set ``_lock``, ``_counter``, ``_workers``, ``dead``
+    and ``_stopped``."""
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        with self._lock:
+            self._counter += 1
+            return f"{prefix}-{self._counter}"
+
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU-heavy request work (chat templates, tokenizing) off the loop and the engine."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, lambda: fn(*args, **kwargs))
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
 
     async def add_request(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
@@ -124,22 +142,6 @@ class AsyncLLM(RequestStreams):
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._counter += 1
-            return f"{prefix}-{self._counter}"
-
-    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run CPU-heavy request work (chat templates, tokenizing) off the loop and the engine."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, lambda: fn(*args, **kwargs))
-
-    def _check_alive(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
 
     async def add_requests(
         self,
