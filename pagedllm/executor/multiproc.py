@@ -1,0 +1,250 @@
+"""Worker processes for tensor / pipeline parallel models, started and watched by the engine.
+
+Every rank is a separate process; the engine's process holds no weights and joins no
+collective. That keeps the engine loop free to notice a dead worker: it only ever waits on
+its control connections, together with the local workers' process sentinels, one second at
+a time, so a worker that dies (killed, out of memory, crashed) turns into WorkerDeadError
+within a second instead of a collective that never returns. (vLLM keeps rank 0 in the
+engine's process to save one copy of the step; here the step is a small pickle, and a
+uniform set of workers also serves a multi-node world the same way.)
+
+Control channel: the engine listens on one TCP address (``multiprocessing.connection``, with
+an authkey: ``PAGEDLLM_DIST_AUTHKEY``, the same on every node); local workers and those of
+headless nodes connect to it and say their rank. Each step the engine sends the
+SchedulerOutput to every rank; the tensors the ranks exchange go over torch.distributed (gloo).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Listener, wait
+
+import torch.multiprocessing as mp
+
+from pagedllm.config import EngineConfig
+from pagedllm.executor.base import Executor, WorkerDeadError
+from pagedllm.executor.worker import WorkerInit, run_worker
+from pagedllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pagedllm.executor")
+
+POLL_SECONDS = 1.0  # how often a waiting engine checks its workers are alive
+
+
+def authkey() -> bytes:
+    return os.environ.get("PAGEDLLM_DIST_AUTHKEY", "pagedllm").encode()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def control_address(config: EngineConfig) -> tuple[str, int]:
+    """Where the engine's control channel listens: master_port + 1 on the master's address."""
+    return config.master_addr, config.master_port + 1
+
+
+def rank_threads(local_world: int, local_rank: int) -> tuple[int, list[int] | None]:
+    """A rank's intra-op threads (``PAGEDLLM_NUM_THREADS`` each, else its share of the usable
+    cores) and, with ``PAGEDLLM_PIN_THREADS=1``, the cores it is pinned to (its own slice)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // local_world)
+    env = os.environ.get("PAGEDLLM_NUM_THREADS")
+    threads = int(env) if env else share
+    cpus = None
+    if os.environ.get("PAGEDLLM_PIN_THREADS") == "1":
+        start = (local_rank * share) % len(cores)
+        cpus = cores[start : start + share] or cores
+    return threads, cpus
+
+
+def start_local_workers(config: EngineConfig, address: tuple[str, int]) -> list:
+    """Spawn this node's workers (ranks node_rank * local .. + local - 1)."""
+    local = config.world_size // config.nnodes
+    ctx = mp.get_context("spawn")
+    procs = []
+    for local_rank in range(local):
+        rank = config.node_rank * local + local_rank
+        threads, cpus = rank_threads(local, local_rank)
+        p = ctx.Process(target=run_worker, args=(rank, address, authkey(), threads, cpus), daemon=True,
+                        name=f"pagedllm-worker-{rank}")  # fmt: skip
+        p.start()
+        procs.append(p)
+    return procs
+
+
+class MultiprocExecutor(Executor):
+    """Starts the workers, broadcasts each step, returns the last rank's output."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, num_swap_blocks: int, max_model_len: int,
+                 load_model: Callable, start_timeout: float = 900.0):  # fmt: skip
+        """``load_model``: how a worker loads its shard (engine/startup.py's, handed down so
+        the workers stay below the engine; pickled by reference)."""
+        self.config = config
+        self.world = config.world_size
+        self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if config.nnodes > 1:
+            dist_addr, dist_port = config.master_addr, config.master_port
+            listen = control_address(config)
+        else:
+            dist_addr = "127.0.0.1"
+            dist_port = config.master_port or free_port()
+            listen = ("127.0.0.1", config.master_port + 1 if config.master_port else 0)
+        self._dead: str | None = None
+        self._closed = False
+        self._listener = Listener(listen, authkey=authkey())
+        self.procs = start_local_workers(config, self._listener.address)
+        self.conns: list[Connection | None] = [None] * self.world
+        self._allreduce_total = 0.0
+        try:
+            self._accept_all(start_timeout)
+            init = WorkerInit(config, num_blocks, num_swap_blocks, max_model_len, dist_addr, dist_port, load_model)
+            for conn in self.conns:
+                conn.send(("init", init))
+            self.worker_reports = [self._recv(r, expect="ready")[1] for r in range(self.world)]
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            self._listener.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # ------------------------------------------------------------------ liveness
+    def _check_local(self) -> None:
+        for p in self.procs:
+            if not p.is_alive():
+                self._die(f"worker process {p.name} (pid {p.pid}) exited with status {p.exitcode}")
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        logger.error("%s: the engine stops", reason)
+        self.shutdown(graceful=False)
+        raise WorkerDeadError(reason)
+
+    def _accept_all(self, timeout: float) -> None:
+        """Accept every rank's connection, watching the local workers meanwhile."""
+        got: list[tuple[Connection, int]] = []
+        errors: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                while len(got) < self.world:
+                    conn = self._listener.accept()
+                    kind, rank = conn.recv()
+                    got.append((conn, rank))
+            except BaseException as e:  # the listener closed (startup failed)
+                errors.append(e)
+
+        t = threading.Thread(target=accept, daemon=True, name="pagedllm-accept")
+        t.start()
+        deadline = time.monotonic() + timeout
+        while t.is_alive():
+            t.join(POLL_SECONDS)
+            self._check_local()
+            if time.monotonic() > deadline:
+                self._die(f"only {len(got)} of {self.world} workers connected within {timeout:.0f} s")
+        if errors:
+            raise errors[0]
+        for conn, rank in got:
+            self.conns[rank] = conn
+
+    def _recv(self, rank: int, expect: str | None = None):
+        """The rank's next message; WorkerDeadError as soon as any local worker dies or the
+        rank's connection closes."""
+        if self._dead is not None:
+            raise WorkerDeadError(self._dead)
+        conn = self.conns[rank]
+        sentinels = [p.sentinel for p in self.procs]
+        while True:
+            ready = wait([conn, *sentinels], timeout=POLL_SECONDS)
+            if conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._check_local()
+                    self._die(f"worker {rank}'s connection closed")
+                if expect is not None and msg[0] != expect:
+                    self._die(f"worker {rank} sent {msg[0]!r}, expected {expect!r}")
+                return msg
+            if ready:
+                self._check_local()
+
+    def _send(self, rank: int, msg: tuple) -> None:
+        if self._dead is not None:
+            raise WorkerDeadError(self._dead)
+        try:
+            self.conns[rank].send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._check_local()
+            self._die(f"worker {rank}'s connection closed")
+
+    # ------------------------------------------------------------------ steps
+    def update_states(self, out: SchedulerOutput) -> None:
+        for r in range(self.world):
+            self._send(r, ("update", out))
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for r in range(self.world):
+            self._send(r, ("execute", out))
+        replies = [self._recv(r) for r in range(self.world)]
+        errors = [reply[1] for reply in replies if reply[0] == "error"]
+        if errors:
+            raise RuntimeError(errors[0])
+        self._allreduce_total += max(reply[2] for reply in replies)
+        result: ModelRunnerOutput = replies[-1][1]
+        # Stages before the last learn the step's tokens (the last stage's TP ranks sampled them).
+        for r in range(self.world - self.tp):
+            self._send(r, ("accept", result.req_ids, result.sampled))
+        return result
+
+    def allreduce_seconds(self) -> float:
+        return self._allreduce_total
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Ask the workers to stop (``graceful``), else or after 5 s terminate them: a
+        worker may be stuck in a collective with a dead peer."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            if conn is not None and graceful:
+                try:
+                    conn.send(("shutdown",))
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + (5 if graceful else 0)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A worker node (``pagedllm serve --headless``): run this node's workers until they end
+    (the engine on node 0 shuts them down, or its connection closes). Status 0 if all ended
+    cleanly."""
+    if config.nnodes < 2 or config.node_rank == 0:
+        raise ValueError("--headless runs the workers of a node_rank >= 1 of nnodes >= 2")
+    procs = start_local_workers(config, control_address(config))
+    logger.info("headless node %d: workers %s started", config.node_rank, [p.pid for p in procs])
+    status = 0
+    for p in procs:
+        p.join()
+        status = status or (p.exitcode != 0)
+    return int(status)
