@@ -1,0 +1,115 @@
+"""Tensor and pipeline parallel on tiny random models: greedy tokens equal the one-process
+engine's, GQA with uneven head splits, a dead worker ends the engine instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.sharding import HeadShard, head_shards, shard_state, split_even
+from pagedllm.engine.errors import EngineDeadError
+from pagedllm.model.loader import load_weights, resolve_model
+from tests.conftest import save_tiny_model
+
+ENGINE = dict(num_kv_blocks=64, log_stats_interval=1e9, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def uneven_gqa(tmp_path_factory):
+    """6 query heads in 3 KV groups of 2: at TP=2, rank 0 gets KV heads {0, 1}, rank 1 {2}."""
+    return save_tiny_model(tmp_path_factory.mktemp("gqa"), hidden_size=96, num_attention_heads=6,
+                           num_key_value_heads=3, intermediate_size=160, seed=2)  # fmt: skip
+
+
+def _prompts(n=(1, 5, 17, 40)) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(3, 256, (k,), generator=g).tolist()} for k in n]
+
+
+def _greedy(llm: LLM, prompts, max_tokens: int = 8) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def test_head_split_follows_kv_groups():
+    # SmolLM2-135M: 9 query heads, 3 KV heads (groups of 3).
+    assert head_shards(9, 3, 2) == [HeadShard(0, 6, 0, 2), HeadShard(6, 9, 2, 3)]
+    assert head_shards(9, 3, 3) == [HeadShard(0, 3, 0, 1), HeadShard(3, 6, 1, 2), HeadShard(6, 9, 2, 3)]
+    # Fewer KV heads than ranks: each KV head replicated, its query heads split.
+    assert head_shards(4, 1, 2) == [HeadShard(0, 2, 0, 1), HeadShard(2, 4, 0, 1)]
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        head_shards(9, 3, 4)
+    assert split_even(1536, 2, 32) == [(0, 768), (768, 1536)]
+
+
+def test_shards_hold_their_slice_of_the_weights(uneven_gqa):
+    arch, state = load_weights(resolve_model(str(uneven_gqa)))
+    local0, s0 = shard_state(arch, dict(state), 0, 2, 0, 1)
+    local1, s1 = shard_state(arch, dict(state), 1, 2, 0, 1)
+    assert (local0.num_heads, local0.num_kv_heads, local1.num_heads, local1.num_kv_heads) == (4, 2, 2, 1)
+    assert local0.intermediate_size + local1.intermediate_size == arch.intermediate_size
+    assert local0.vocab_size + local1.vocab_size == arch.vocab_size
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(torch.cat([s0[q], s1[q]]), state[q])
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([s0[o], s1[o]], dim=1), state[o])
+
+
+def test_config_refuses_what_does_not_shard(uneven_gqa):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(str(uneven_gqa), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(uneven_gqa), tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(str(uneven_gqa), tensor_parallel_size=2, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # 3 KV heads over 4 ranks
+        LLM(str(uneven_gqa), tensor_parallel_size=4, **ENGINE)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        LLM(str(uneven_gqa), pipeline_parallel_size=3, **ENGINE)  # 2 layers
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_greedy_tokens_equal_one_process(uneven_gqa, tp, pp):
+    prompts = _prompts()
+    ref = _greedy(LLM(str(uneven_gqa), **ENGINE), prompts)
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        assert llm.llm_engine.runner is None and len(llm.llm_engine.executor.worker_reports) == tp * pp
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
+
+
+def test_mqa_replicates_the_kv_head(tmp_path):
+    path = save_tiny_model(tmp_path / "mqa", num_attention_heads=4, num_key_value_heads=1, seed=4)
+    prompts = _prompts((3, 20))
+    ref = _greedy(LLM(str(path), **ENGINE), prompts)
+    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [r["num_kv_heads"] for r in llm.llm_engine.executor.worker_reports] == [1, 1]
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
+
+
+def test_a_dead_worker_ends_the_engine(uneven_gqa):
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.executor
+    try:
+        _greedy(llm, _prompts((4,)), max_tokens=2)
+        os.kill(executor.worker_pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker"):
+            _greedy(llm, _prompts(), max_tokens=50)
+        assert time.monotonic() - start < 30
+        with pytest.raises(EngineDeadError):  # and it stays dead
+            _greedy(llm, _prompts((2,)), max_tokens=2)
+        time.sleep(0.5)
+        assert not any(p.is_alive() for p in executor.procs)  # the survivor was stopped too
+    finally:
+        llm.llm_engine.close()
