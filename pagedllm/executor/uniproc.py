@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from pagedllm.executor.base import Executor
+from pagedllm.executor.worker import model_weight_bytes, rss_bytes
 from pagedllm.runner.model_runner import ModelRunner
 
 
@@ -11,6 +16,12 @@ class UniProcExecutor(Executor):
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        a = runner.model.arch
+        self.worker_reports = [{
+            "rank": 0, "tp_rank": 0, "pp_rank": 0, "weight_bytes": model_weight_bytes(runner.model),
+            "rss_bytes": rss_bytes(), "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
+            "num_layers": a.num_layers, "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0)),
+        }]  # fmt: skip
         self.update_states = runner.update_states  # type: ignore[method-assign]
         self.execute = runner.execute  # type: ignore[method-assign]
 
