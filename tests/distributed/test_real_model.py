@@ -12,6 +12,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tests.parity import assert_engines_agree
 
+pytestmark = pytest.mark.slow  # the real default model (the repo's meaning of slow); ~35 s in all
+
 MAX_TOKENS = 20
 # 14 blocks of 16 tokens for 4 requests of up to ~150 tokens: some are preempted and recomputed.
 ENGINE = dict(max_num_batched_tokens=64, num_kv_blocks=14, enable_prefix_caching=True, log_stats_interval=1e9)
