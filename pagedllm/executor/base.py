@@ -38,9 +38,11 @@ class Executor(ABC):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step's forward and sampling; the sampled tokens per scheduled request."""
 
-    def allreduce_seconds(self) -> float:
-        """Seconds spent in tensor-parallel collectives so far (0 without them)."""
-        return 0.0
+    def collective_stats(self) -> tuple[int, float]:
+        """(model steps, seconds spent in tensor-parallel collectives) so far: (0, 0.0)
+        without workers. Per step the slowest rank's time counts; it includes waiting for
+        the other ranks to arrive at the collective."""
+        return 0, 0.0
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""

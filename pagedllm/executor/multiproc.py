@@ -103,6 +103,7 @@ class MultiprocExecutor(Executor):
         self.procs = start_local_workers(config, self._listener.address)
         self.conns: list[Connection | None] = [None] * self.world
         self._allreduce_total = 0.0
+        self._num_steps = 0
         try:
             self._accept_all(start_timeout)
             init = WorkerInit(config, num_blocks, num_swap_blocks, max_model_len, dist_addr, dist_port, load_model)
@@ -201,14 +202,15 @@ class MultiprocExecutor(Executor):
         if errors:
             raise RuntimeError(errors[0])
         self._allreduce_total += max(reply[2] for reply in replies)
+        self._num_steps += 1
         result: ModelRunnerOutput = replies[-1][1]
         # Stages before the last learn the step's tokens (the last stage's TP ranks sampled them).
         for r in range(self.world - self.tp):
             self._send(r, ("accept", result.req_ids, result.sampled))
         return result
 
-    def allreduce_seconds(self) -> float:
-        return self._allreduce_total
+    def collective_stats(self) -> tuple[int, float]:
+        return self._num_steps, self._allreduce_total
 
     def shutdown(self, graceful: bool = True) -> None:
         """Ask the workers to stop (``graceful``), else or after 5 s terminate them: a

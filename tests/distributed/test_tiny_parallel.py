@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.throughput import parallel_line, parallel_stats
 from pagedllm.distributed.sharding import HeadShard, head_shards, shard_state, split_even
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.model.loader import load_weights, resolve_model
@@ -81,6 +82,10 @@ def test_greedy_tokens_equal_one_process(uneven_gqa, tp, pp):
     try:
         assert llm.llm_engine.runner is None and len(llm.llm_engine.executor.worker_reports) == tp * pp
         assert _greedy(llm, prompts) == ref
+        steps, seconds = llm.llm_engine.executor.collective_stats()  # what the benchmarks print
+        assert steps > 0 and (seconds > 0) == (tp > 1)
+        line = parallel_line(parallel_stats(llm.llm_engine, (0, 0.0)))
+        assert f"TP={tp} PP={pp}" in line and "ms per step" in line
     finally:
         llm.llm_engine.close()
 
