@@ -9,7 +9,7 @@ engine's process to save one copy of the step; here the step is a small pickle, 
 uniform set of workers also serves a multi-node world the same way.)
 
 Control channel: the engine listens on one TCP address (``multiprocessing.connection``, with
-an authkey: ``PAGEDLLM_DIST_AUTHKEY``, the same on every node); local workers and those of
+an authkey: random on one node, ``PAGEDLLM_DIST_AUTHKEY`` across nodes); local workers and those of
 headless nodes connect to it and say their rank. Each step the engine sends the
 SchedulerOutput to every rank; the tensors the ranks exchange go over torch.distributed (gloo).
 """
@@ -36,8 +36,17 @@ logger = logging.getLogger("pagedllm.executor")
 POLL_SECONDS = 1.0  # how often a waiting engine checks its workers are alive
 
 
-def authkey() -> bytes:
-    return os.environ.get("PAGEDLLM_DIST_AUTHKEY", "pagedllm").encode()
+def authkey(config: EngineConfig) -> bytes:
+    """The control channel's key: a fresh random one on one node (handed to the workers it
+    spawns), ``PAGEDLLM_DIST_AUTHKEY`` across nodes (the same secret on every node: whoever
+    holds it can talk to the engine, and messages are pickles)."""
+    env = os.environ.get("PAGEDLLM_DIST_AUTHKEY")
+    if env:
+        return env.encode()
+    if config.nnodes == 1:
+        return os.urandom(32)
+    logger.warning("PAGEDLLM_DIST_AUTHKEY is not set: the nodes use a well-known key (set a shared secret)")
+    return b"pagedllm"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,7 +74,7 @@ def rank_threads(local_world: int, local_rank: int) -> tuple[int, list[int] | No
     return threads, cpus
 
 
-def start_local_workers(config: EngineConfig, address: tuple[str, int]) -> list:
+def start_local_workers(config: EngineConfig, address: tuple[str, int], key: bytes) -> list:
     """Spawn this node's workers (ranks node_rank * local .. + local - 1)."""
     local = config.world_size // config.nnodes
     ctx = mp.get_context("spawn")
@@ -73,7 +82,7 @@ def start_local_workers(config: EngineConfig, address: tuple[str, int]) -> list:
     for local_rank in range(local):
         rank = config.node_rank * local + local_rank
         threads, cpus = rank_threads(local, local_rank)
-        p = ctx.Process(target=run_worker, args=(rank, address, authkey(), threads, cpus), daemon=True,
+        p = ctx.Process(target=run_worker, args=(rank, address, key, threads, cpus), daemon=True,
                         name=f"pagedllm-worker-{rank}")  # fmt: skip
         p.start()
         procs.append(p)
@@ -99,8 +108,9 @@ class MultiprocExecutor(Executor):
             listen = ("127.0.0.1", config.master_port + 1 if config.master_port else 0)
         self._dead: str | None = None
         self._closed = False
-        self._listener = Listener(listen, authkey=authkey())
-        self.procs = start_local_workers(config, self._listener.address)
+        key = authkey(config)
+        self._listener = Listener(listen, authkey=key)
+        self.procs = start_local_workers(config, self._listener.address, key)
         self.conns: list[Connection | None] = [None] * self.world
         self._allreduce_total = 0.0
         self._num_steps = 0
@@ -243,7 +253,7 @@ def run_headless(config: EngineConfig) -> int:
     cleanly."""
     if config.nnodes < 2 or config.node_rank == 0:
         raise ValueError("--headless runs the workers of a node_rank >= 1 of nnodes >= 2")
-    procs = start_local_workers(config, control_address(config))
+    procs = start_local_workers(config, control_address(config), authkey(config))
     logger.info("headless node %d: workers %s started", config.node_rank, [p.pid for p in procs])
     status = 0
     for p in procs:

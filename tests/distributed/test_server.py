@@ -65,13 +65,14 @@ def _free_port_pair() -> int:
 def test_two_nodes_serve_tp2(reference):
     port = _free_port_pair()
     node = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+    secret = {"PAGEDLLM_DIST_AUTHKEY": os.urandom(8).hex()}  # the nodes' shared control-channel key
+    env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING", **secret}
     worker_node = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--headless", "--node-rank", "1", *ENGINE_ARGS, *node],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        srv = ServerProcess([*ENGINE_ARGS, *node, "--node-rank", "0"])
+        srv = ServerProcess([*ENGINE_ARGS, *node, "--node-rank", "0"], env=secret)
         try:
             assert _completions(srv) == reference
         finally:

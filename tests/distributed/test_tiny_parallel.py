@@ -12,9 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.throughput import parallel_line, parallel_stats
-from pagedllm.distributed.sharding import HeadShard, head_shards, shard_state, split_even
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.model.loader import load_weights, resolve_model
 from tests.conftest import save_tiny_model
 
 ENGINE = dict(num_kv_blocks=64, log_stats_interval=1e9, max_num_batched_tokens=32)
@@ -35,30 +33,6 @@ def _prompts(n=(1, 5, 17, 40)) -> list[dict]:
 def _greedy(llm: LLM, prompts, max_tokens: int = 8) -> list[list[int]]:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-
-
-def test_head_split_follows_kv_groups():
-    # SmolLM2-135M: 9 query heads, 3 KV heads (groups of 3).
-    assert head_shards(9, 3, 2) == [HeadShard(0, 6, 0, 2), HeadShard(6, 9, 2, 3)]
-    assert head_shards(9, 3, 3) == [HeadShard(0, 3, 0, 1), HeadShard(3, 6, 1, 2), HeadShard(6, 9, 2, 3)]
-    # Fewer KV heads than ranks: each KV head replicated, its query heads split.
-    assert head_shards(4, 1, 2) == [HeadShard(0, 2, 0, 1), HeadShard(2, 4, 0, 1)]
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        head_shards(9, 3, 4)
-    assert split_even(1536, 2, 32) == [(0, 768), (768, 1536)]
-
-
-def test_shards_hold_their_slice_of_the_weights(uneven_gqa):
-    arch, state = load_weights(resolve_model(str(uneven_gqa)))
-    local0, s0 = shard_state(arch, dict(state), 0, 2, 0, 1)
-    local1, s1 = shard_state(arch, dict(state), 1, 2, 0, 1)
-    assert (local0.num_heads, local0.num_kv_heads, local1.num_heads, local1.num_kv_heads) == (4, 2, 2, 1)
-    assert local0.intermediate_size + local1.intermediate_size == arch.intermediate_size
-    assert local0.vocab_size + local1.vocab_size == arch.vocab_size
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert torch.equal(torch.cat([s0[q], s1[q]]), state[q])
-    o = "model.layers.0.self_attn.o_proj.weight"
-    assert torch.equal(torch.cat([s0[o], s1[o]], dim=1), state[o])
 
 
 def test_config_refuses_what_does_not_shard(uneven_gqa):
