@@ -66,3 +66,11 @@ def test_rank_threads_share_the_cores(monkeypatch):
     assert rank_threads(2, 0) == (2, [0, 1]) and rank_threads(2, 1) == (2, [2, 3])
     monkeypatch.setenv("PAGEDLLM_NUM_THREADS", "1")  # per rank
     assert rank_threads(4, 3) == (1, [3])
+
+
+def test_fused_decoder_stack_refuses_tensor_parallel():
+    from types import SimpleNamespace
+
+    from pagedllm.model.fused_stack import why_not
+
+    assert "tensor parallel" in why_not(SimpleNamespace(tp_size=2, arch=None), [])
