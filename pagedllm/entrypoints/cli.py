@@ -64,11 +64,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.headless:  # a worker node: its ranks only, no engine, no HTTP server
-        import logging
-
         from pagedllm.executor.multiproc import run_headless
+        from pagedllm.logger import configure_logging
 
-        logging.basicConfig(level=logging.INFO)
+        configure_logging()
         return run_headless(engine_config_from_args(args))
     from pagedllm.entrypoints.openai.api_server import run_server
 

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp
 
@@ -108,6 +109,7 @@ class MultiprocExecutor(Executor):
             listen = ("127.0.0.1", config.master_port + 1 if config.master_port else 0)
         self._dead: str | None = None
         self._closed = False
+        self._ready = False
         key = authkey(config)
         self._listener = Listener(listen, authkey=key)
         self.procs = start_local_workers(config, self._listener.address, key)
@@ -117,9 +119,9 @@ class MultiprocExecutor(Executor):
         try:
             self._accept_all(start_timeout)
             init = WorkerInit(config, num_blocks, num_swap_blocks, max_model_len, dist_addr, dist_port, load_model)
-            for conn in self.conns:
-                conn.send(("init", init))
+            self._broadcast(("init", init))
             self.worker_reports = [self._recv(r, expect="ready")[1] for r in range(self.world)]
+            self._ready = True
         except BaseException:
             self.shutdown()
             raise
@@ -134,7 +136,9 @@ class MultiprocExecutor(Executor):
     def _check_local(self) -> None:
         for p in self.procs:
             if not p.is_alive():
-                self._die(f"worker process {p.name} (pid {p.pid}) exited with status {p.exitcode}")
+                hint = "" if self._ready else (" during startup (its log above says why; a script starting workers must "
+                                               "guard its main: if __name__ == '__main__')")  # fmt: skip
+                self._die(f"worker process {p.name} (pid {p.pid}) exited with status {p.exitcode}{hint}")
 
     def _die(self, reason: str) -> None:
         self._dead = reason
@@ -190,23 +194,27 @@ class MultiprocExecutor(Executor):
             if ready:
                 self._check_local()
 
-    def _send(self, rank: int, msg: tuple) -> None:
+    def _send(self, rank: int, data: bytes) -> None:
         if self._dead is not None:
             raise WorkerDeadError(self._dead)
         try:
-            self.conns[rank].send(msg)
+            self.conns[rank].send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, OSError):
             self._check_local()
             self._die(f"worker {rank}'s connection closed")
 
     # ------------------------------------------------------------------ steps
+    def _broadcast(self, msg: tuple, ranks: range | None = None) -> None:
+        """One pickle of ``msg`` for every rank (``Connection.recv`` unpickles it)."""
+        data = bytes(ForkingPickler.dumps(msg))
+        for r in ranks if ranks is not None else range(self.world):
+            self._send(r, data)
+
     def update_states(self, out: SchedulerOutput) -> None:
-        for r in range(self.world):
-            self._send(r, ("update", out))
+        self._broadcast(("update", out))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for r in range(self.world):
-            self._send(r, ("execute", out))
+        self._broadcast(("execute", out))
         replies = [self._recv(r) for r in range(self.world)]
         errors = [reply[1] for reply in replies if reply[0] == "error"]
         if errors:
@@ -215,8 +223,8 @@ class MultiprocExecutor(Executor):
         self._num_steps += 1
         result: ModelRunnerOutput = replies[-1][1]
         # Stages before the last learn the step's tokens (the last stage's TP ranks sampled them).
-        for r in range(self.world - self.tp):
-            self._send(r, ("accept", result.req_ids, result.sampled))
+        if self.pp > 1:
+            self._broadcast(("accept", result.req_ids, result.sampled), range(self.world - self.tp))
         return result
 
     def collective_stats(self) -> tuple[int, float]:

@@ -29,6 +29,7 @@ from multiprocessing.connection import Client, Connection
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.logger import configure_logging
 
 logger = logging.getLogger("pagedllm.worker")
 
@@ -96,8 +97,7 @@ def rss_bytes() -> int:
 def run_worker(rank: int, address: tuple[str, int], authkey: bytes, num_threads: int, cpus: list[int] | None,
                connect_timeout: float = 600.0) -> None:  # fmt: skip
     """The worker process's main (a spawn target)."""
-    level = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    configure_logging(f"[rank {rank}] ")
     if cpus:
         os.sched_setaffinity(0, cpus)
     os.environ["PAGEDLLM_NUM_THREADS"] = str(num_threads)
