@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 # A collective that waits this long for a peer fails instead of hanging (the engine has
 # usually noticed the dead peer long before; PAGEDLLM_DIST_TIMEOUT overrides, in seconds).
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)

@@ -143,11 +143,14 @@ class LLMEngine:
         # The same report as `pagedllm estimate` (engine/capacity.py), with this engine's choices.
         for line in startup_report(config, self.source, self.max_model_len, loaded_dense, native_available()).lines()[1:]:
             logger.info("%s", line)
-        for report in self.executor.worker_reports:
+        for report in self.executor.worker_reports if config.world_size > 1 else ():
             logger.info("worker %d (tp rank %d, pp rank %d): %d query / %d KV heads, %d layers, weights %.1f MiB, "
                         "RSS %.1f MiB, %d threads on cpus %s", report["rank"], report["tp_rank"], report["pp_rank"],
                         report["num_heads"], report["num_kv_heads"], report["num_layers"], report["weight_bytes"] / 2**20,
                         report["rss_bytes"] / 2**20, report["threads"], report["cpus"])  # fmt: skip
+        if config.world_size == 1:
+            report = self.executor.worker_reports[0]
+            logger.info("resident weights %.1f MiB, RSS %.1f MiB", report["weight_bytes"] / 2**20, report["rss_bytes"] / 2**20)
         lora = self._lora
         if lora is not None:
             logger.info("LoRA: %d slots of rank <= %d (%.1f MiB preallocated), up to %d adapters loaded",

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -217,7 +219,10 @@ class MultiprocExecutor(Executor):
         self._broadcast(("execute", out))
         replies = [self._recv(r) for r in range(self.world)]
         errors = [reply[1] for reply in replies if reply[0] == "error"]
-        if errors:
+        if errors and len(errors) < self.world:
+            # Some ranks failed where others did not: their collectives no longer pair up.
+            self._die(f"step failed on {len(errors)} of {self.world} workers only: {errors[0]}")
+        if errors:  # every rank failed the same step: the engine may isolate the request
             raise RuntimeError(errors[0])
         self._allreduce_total += max(reply[2] for reply in replies)
         self._num_steps += 1
@@ -263,8 +268,13 @@ def run_headless(config: EngineConfig) -> int:
         raise ValueError("--headless runs the workers of a node_rank >= 1 of nnodes >= 2")
     procs = start_local_workers(config, control_address(config), authkey(config))
     logger.info("headless node %d: workers %s started", config.node_rank, [p.pid for p in procs])
-    status = 0
-    for p in procs:
-        p.join()
-        status = status or (p.exitcode != 0)
-    return int(status)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        for p in procs:
+            p.join()
+    finally:  # SIGTERM / Ctrl-C here: the workers ignore SIGINT, so stop them
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    return int(any(p.exitcode != 0 for p in procs))

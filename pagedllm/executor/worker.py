@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -98,6 +99,9 @@ def run_worker(rank: int, address: tuple[str, int], authkey: bytes, num_threads:
                connect_timeout: float = 600.0) -> None:  # fmt: skip
     """The worker process's main (a spawn target)."""
     configure_logging(f"[rank {rank}] ")
+    # Ctrl-C reaches the whole process group: the engine decides when workers stop (they also
+    # stop when its connection closes), so a graceful server shutdown is not a "dead worker".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpus:
         os.sched_setaffinity(0, cpus)
     os.environ["PAGEDLLM_NUM_THREADS"] = str(num_threads)
