@@ -59,6 +59,25 @@ def _stage_forward(
     return None
 
 
+class _NotOnThisStage(nn.Module):
+    """Stands in for the embedding (stages after the first) or the LM head (stages before the
+    last): the stage never calls it, and its weights are released."""
+
+    def __init__(self, what: str, stage: int, num_stages: int):
+        super().__init__()
+        self.what, self.stage, self.num_stages = what, stage, num_stages
+
+    def forward(self, *args):
+        raise RuntimeError(f"pipeline stage {self.stage} of {self.num_stages} holds no {self.what}")
+
+
 def install(model: nn.Module, ctx: ParallelContext) -> None:
-    """Make a stage-built model (its layers only) run as its pipeline stage."""
+    """Make a stage-built model (its layers only) run as its pipeline stage, and release what
+    the stage never uses (the model was built whole at its ends: ``from_hf_state_dict`` wants
+    every weight; a tied head and embedding share one table until one of them is dropped)."""
+    info = ctx.info
     model.forward = MethodType(lambda self, *args: _stage_forward(self, *args, ctx=ctx), model)
+    if not info.is_first_stage:
+        model.embed_tokens = _NotOnThisStage("embedding", info.pp_rank, info.pp)
+    if not info.is_last_stage:
+        model.lm_head = _NotOnThisStage("LM head", info.pp_rank, info.pp)

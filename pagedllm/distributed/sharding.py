@@ -17,9 +17,9 @@ Tensor parallel (tp ranks of one pipeline stage):
 - embedding and LM head are vocab parallel: contiguous runs of ``ceil(vocab / tp)`` rows.
 
 Pipeline parallel: stage s holds layers ``[start, end)`` (as even as possible, the first
-stages taking one more), renumbered from 0. Every stage keeps the embedding, final norm and
-LM head (small next to the layers for all but tiny models, and SmolLM2 ties the head to the
-embedding anyway); only the first stage embeds and only the last computes logits.
+stages taking one more), renumbered from 0. The embedding and LM head are loaded on every
+stage (the model is built whole at its ends); ``pipeline.install`` then releases the
+embedding on all but the first stage and the LM head on all but the last.
 """
 
 from __future__ import annotations

@@ -48,6 +48,13 @@ def test_config_refuses_what_does_not_shard(uneven_gqa):
         LLM(str(uneven_gqa), pipeline_parallel_size=3, **ENGINE)  # 2 layers
 
 
+def test_one_process_executor_adds_no_call(uneven_gqa):
+    """The default UniProcExecutor hands out the runner's own bound methods."""
+    engine = LLM(str(uneven_gqa), **ENGINE).llm_engine
+    assert engine.executor.execute == engine.runner.execute
+    assert engine.executor.update_states == engine.runner.update_states
+
+
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_greedy_tokens_equal_one_process(uneven_gqa, tp, pp):
     prompts = _prompts()
