@@ -99,3 +99,25 @@ def test_a_dead_worker_ends_the_engine(uneven_gqa):
         assert not any(p.is_alive() for p in executor.procs)  # the survivor was stopped too
     finally:
         llm.llm_engine.close()
+
+
+def test_a_request_fault_is_isolated_over_workers(uneven_gqa):
+    """The engine re-runs a failing step over halves of its requests; with worker processes
+    every re-run goes to all ranks, which stay in step: only the faulty request fails."""
+    from pagedllm.engine.faults import FaultInjector
+
+    mark = 77
+    good = [{"prompt_token_ids": [3, 4, 5, 6]}, {"prompt_token_ids": [9, 8, 7] * 5}]
+    bad = {"prompt_token_ids": [10, mark, 11]}
+    ref = _greedy(LLM(str(uneven_gqa), **ENGINE), good)
+    for tp, pp in ((2, 1), (1, 2)):
+        llm = LLM(str(uneven_gqa), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+        try:
+            llm.llm_engine.faults = FaultInjector(f"request_token={mark}")
+            sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            outs = llm.generate([good[0], bad, good[1]], sp, use_tqdm=False)
+            assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == ref
+            assert outs[1].outputs[0].finish_reason == "error"
+            assert _greedy(llm, good) == ref  # and the workers carry on
+        finally:
+            llm.llm_engine.close()
