@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from typing import Any
@@ -124,6 +125,9 @@ class LLMEngine:
         self.best_of = BestOf()
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
+        # Pipeline parallel: batches in flight, oldest first, and results collected early.
+        self._batch_queue: deque[SchedulerOutput] = deque()
+        self._drained: deque[tuple[SchedulerOutput, ModelRunnerOutput | None]] = deque()
         self._request_counter = itertools.count()
         self._log_startup(sizes, time.perf_counter() - t0, times, dense_copy)
 
@@ -296,7 +300,8 @@ class LLMEngine:
             self.output_processor.mark(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.structured.has_held or self.beams.has_unfinished()
+        return (self.scheduler.has_unfinished_requests() or self.structured.has_held or self.beams.has_unfinished()
+                or bool(self._batch_queue) or bool(self._drained))  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes (running requests keep their blocks)."""
@@ -305,6 +310,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduler + model step; return outputs per the requests' output kinds."""
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
         self._admit_compiled()
         sched_out = self.scheduler.schedule()
         self.structured.forget(sched_out.finished_req_ids)
@@ -315,6 +322,82 @@ class LLMEngine:
         self._update_states(sched_out)
         sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
         result = self._execute(sched_out)
+        return self._finish_step(sched_out, result)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallel: keep up to one batch per stage in flight, so stage 1 runs batch A
+        while stage 0 runs batch B. A call submits one more batch when there is room and
+        something to run; otherwise it waits for the oldest batch and finishes it as ``step``
+        does. The running requests form one cohort per batch (``max_batch_seqs``); a request
+        in flight is neither scheduled again nor preempted until its result is back. A batch
+        that fails on every rank drains the later ones, then is re-run alone to isolate the
+        faulty request (``_execute``)."""
+        if self._drained:  # results collected while a failed batch was isolated: in order
+            sched_out, result = self._drained.popleft()
+            if result is None:
+                result = self._execute(sched_out)
+            return self._finish_step(*self._still_live(sched_out, result))
+        queue, depth = self._batch_queue, self.executor.max_concurrent_batches
+        if len(queue) < depth:
+            self._admit_compiled()
+            in_flight = {s.req_id for batch in queue for s in batch.scheduled}
+            unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+            sched_out = self.scheduler.schedule(in_flight, max(1, -(-unfinished // depth)))
+            self.structured.forget(sched_out.finished_req_ids)
+            self._update_states(sched_out)
+            if not sched_out.is_empty:
+                self.faults.after_schedule(self._prompts(sched_out))
+                sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
+                try:
+                    self.faults.before_model_step(self._prompts(sched_out))
+                    self.executor.submit(sched_out)
+                except WorkerDeadError as e:
+                    raise EngineDeadError(str(e)) from e
+                except Exception:  # (an injected fault) isolate it with nothing else in flight
+                    self._drain()
+                    self._drained.append((sched_out, None))
+                    return self.output_processor.make_outputs()
+                queue.append(sched_out)
+                if len(queue) < depth:
+                    return self.output_processor.make_outputs()
+        if not queue:
+            return self.output_processor.make_outputs()
+        sched_out = queue.popleft()
+        try:
+            result = self.executor.collect()
+        except WorkerDeadError as e:
+            raise EngineDeadError(str(e)) from e
+        except Exception:  # every rank failed it: isolate it once nothing else is in flight
+            self._drain()
+            result = self._execute(sched_out)
+        return self._finish_step(*self._still_live(sched_out, result))
+
+    def _drain(self) -> None:
+        """Collect every batch in flight into ``_drained`` (None for one that failed)."""
+        while self._batch_queue:
+            later = self._batch_queue.popleft()
+            try:
+                self._drained.append((later, self.executor.collect()))
+            except WorkerDeadError as e:
+                raise EngineDeadError(str(e)) from e
+            except Exception:
+                self._drained.append((later, None))
+
+    def _still_live(self, out: SchedulerOutput, result: ModelRunnerOutput) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Drop the requests that ended (aborted) while their batch was in flight."""
+        keep = [i for i, s in enumerate(out.scheduled) if s.req_id in self.scheduler.requests]
+        if len(keep) == len(out.scheduled):
+            return out, result
+        out.scheduled = [out.scheduled[i] for i in keep]
+        drafts = result.spec_token_ids
+        return out, ModelRunnerOutput(
+            req_ids=[result.req_ids[i] for i in keep], sampled=[result.sampled[i] for i in keep],
+            logprobs=[result.logprobs[i] for i in keep], prompt_logprobs=result.prompt_logprobs,
+            spec_token_ids=[drafts[i] for i in keep] if drafts else drafts,
+        )  # fmt: skip
+
+    def _finish_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Everything after the model step: the scheduler, stop checks, outputs and stats."""
         # The scheduled requests, looked up before update_from_output retires finished ones.
         scheduled = [self.scheduler.requests[s.req_id] for s in sched_out.scheduled]
         # Prompt tokens run for the first time, once per parent request (as its usage counts

@@ -38,6 +38,18 @@ class Executor(ABC):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step's forward and sampling; the sampled tokens per scheduled request."""
 
+    #: batches the engine may keep in flight (pipeline parallel: one per stage); with more than
+    #: one it uses ``submit`` / ``collect`` instead of ``execute``
+    max_concurrent_batches: int = 1
+
+    def submit(self, out: SchedulerOutput) -> None:
+        """Start a step without waiting for it (``max_concurrent_batches`` > 1 only)."""
+        raise NotImplementedError
+
+    def collect(self) -> ModelRunnerOutput:
+        """The result of the oldest step submitted and not collected yet."""
+        raise NotImplementedError
+
     def collective_stats(self) -> tuple[int, float]:
         """(model steps, seconds spent in tensor-parallel collectives) so far: (0, 0.0)
         without workers. Per step the slowest rank's time counts; it includes waiting for

@@ -118,6 +118,9 @@ class MultiprocExecutor(Executor):
         self.conns: list[Connection | None] = [None] * self.world
         self._allreduce_total = 0.0
         self._num_steps = 0
+        # Pipeline parallel: one batch per stage in flight (PAGEDLLM_PP_BATCH_QUEUE=0: one in all).
+        overlap = self.pp > 1 and os.environ.get("PAGEDLLM_PP_BATCH_QUEUE", "1") != "0"
+        self.max_concurrent_batches = self.pp if overlap else 1
         try:
             self._accept_all(start_timeout)
             init = WorkerInit(config, num_blocks, num_swap_blocks, max_model_len, dist_addr, dist_port, load_model)
@@ -216,7 +219,14 @@ class MultiprocExecutor(Executor):
         self._broadcast(("update", out))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(out)
+        return self.collect()
+
+    def submit(self, out: SchedulerOutput) -> None:
         self._broadcast(("execute", out))
+
+    def collect(self) -> ModelRunnerOutput:
+        """Every rank answers each execute in order: read the oldest one's answers."""
         replies = [self._recv(r) for r in range(self.world)]
         errors = [reply[1] for reply in replies if reply[0] == "error"]
         if errors and len(errors) < self.world:

@@ -121,3 +121,44 @@ def test_a_request_fault_is_isolated_over_workers(uneven_gqa):
             assert _greedy(llm, good) == ref  # and the workers carry on
         finally:
             llm.llm_engine.close()
+
+
+def test_pipeline_keeps_one_batch_per_stage_in_flight(uneven_gqa):
+    """PP=2: two disjoint cohorts alternate, one batch per stage; aborting a request whose
+    batch is in flight drops its result; the greedy tokens are the one-process engine's."""
+    prompts = _prompts((1, 5, 17, 40, 9, 3))
+    ref = _greedy(LLM(str(uneven_gqa), **ENGINE), prompts, max_tokens=12)
+    llm = LLM(str(uneven_gqa), pipeline_parallel_size=2, **ENGINE)
+    engine = llm.llm_engine
+    submitted: list[set[str]] = []
+    depth = []
+    submit = engine.executor.submit
+
+    def spy(out):
+        in_flight = {s.req_id for b in engine._batch_queue for s in b.scheduled}
+        submitted.append(in_flight & {s.req_id for s in out.scheduled})  # must stay empty
+        depth.append(len(engine._batch_queue) + 1)
+        submit(out)
+
+    engine.executor.submit = spy
+    try:
+        assert engine.executor.max_concurrent_batches == 2
+        assert _greedy(llm, prompts, max_tokens=12) == ref
+        assert max(depth) == 2
+        assert not any(submitted)  # batches in flight together are disjoint
+        # Abort a request while its batch is in flight; the others are unharmed.
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        ids = [engine.add_request(p, sp) for p in prompts]
+        engine.step()
+        in_flight = {s.req_id for b in engine._batch_queue for s in b.scheduled}
+        victim = next(iter(in_flight))
+        done = {out.request_id: out for out in engine.abort_request(victim)}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out
+        assert done[victim].outputs[0].finish_reason == "abort"
+        assert [done[i].outputs[0].token_ids for i in ids if i != victim] == [r for i, r in zip(ids, ref) if i != victim]
+        assert engine.kv_cache_manager.usage() == 0.0
+        assert _greedy(llm, prompts, max_tokens=12) == ref  # no stale answers left in the pipes
+    finally:
+        engine.close()
