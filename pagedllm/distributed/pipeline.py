@@ -8,8 +8,8 @@ Every stage knows the step's token count from the same SchedulerOutput, so the r
 buffer's shape needs no message of its own. Only the last stage returns hidden states (and
 samples); the others return None.
 
-One batch is in flight at a time: stage s + 1 waits for stage s, so a PP=2 step costs about
-what the undivided step costs plus one transfer (micro-batch overlap is not done yet).
+Within one batch stage s + 1 waits for stage s; the engine keeps one batch per stage in
+flight (``LLMEngine._step_pipelined``) so the stages work on different batches at once.
 """
 
 from __future__ import annotations

@@ -127,7 +127,9 @@ class Scheduler:
             spec = self._spec_tokens(req, n, budget - n)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n + len(spec)):
                 victim = self._victim(policy, in_flight)
-                if victim is None:  # only requests in flight could give blocks: wait for them
+                if victim is None or (in_flight and victim is req):
+                    # Only requests in flight could give blocks: wait for them to come back
+                    # rather than throw away this request's computed KV.
                     break
                 budget += self._preempt(victim, out)
                 if victim is req:
