@@ -119,8 +119,14 @@ class SpeculativeConfig:
     # No drafts while this many requests or more run: a big batch is compute-bound already,
     # verifying k extra tokens per request would cost more than it saves (vLLM's name).
     disable_by_batch_size: int = 8
+    # Draft each request only as many tokens (0..num_speculative_tokens) as its acceptance rate
+    # so far pays for, given the method's cost (spec_decode/draft_length.py); False: always draft
+    # num_speculative_tokens, pausing only after wholly rejected drafts.
+    auto_length: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.auto_length, bool):
+            raise ValueError(f"speculative_config.auto_length must be true or false, got {self.auto_length!r}")
         if self.method is None:
             object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")  # frozen
         if self.method not in SPEC_METHODS:

@@ -94,10 +94,15 @@ CONFIGS = {
     # Speculative decoding (n-gram drafts, verified in the same batch) changes speed, never tokens.
     "max_num_seqs=3+ngram-spec": dict(max_num_seqs=3, speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
     # The model as its own draft (method draft_model): every draft is accepted, tokens unchanged.
-    "max_num_seqs=4+self-draft-spec": dict(max_num_seqs=4, speculative_config={"model": str(default_model_path())}),
+    # auto_length off in these two: draft every step (drafting the model itself never pays).
+    "max_num_seqs=4+self-draft-spec": dict(
+        max_num_seqs=4, speculative_config={"model": str(default_model_path()), "auto_length": False}
+    ),
     # The shipped EAGLE head drafting (its own paged KV cache) in a tiny pool that preempts.
     "tiny-pool-preemption-chunk64+eagle-spec": dict(
-        num_kv_blocks=130, max_num_batched_tokens=64, speculative_config={"method": "eagle", "disable_by_batch_size": 16}
+        num_kv_blocks=130,
+        max_num_batched_tokens=64,
+        speculative_config={"method": "eagle", "disable_by_batch_size": 16, "auto_length": False},
     ),
     "block_size=32": dict(block_size=32),
     "no-prefix-caching": dict(enable_prefix_caching=False),

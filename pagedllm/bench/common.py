@@ -1,10 +1,15 @@
-"""Helpers shared by the benchmarks: pick a workload, print and save results."""
+"""Helpers shared by the benchmarks: pick a workload, print and save results, start a server."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from typing import Any
 
 from pagedllm.bench.workloads import WORKLOADS, Workload
@@ -66,3 +71,49 @@ PERPLEXITY_TEXT = (
     "water, where fishing boats still return at dusk, guided by the same light that their grandparents "
     "followed home."
 )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CliProcess:
+    """A ``pagedllm`` subcommand (``serve``, ``disagg-proxy``) on a free loopback port, up once
+    its /health answers; benchmarks and tests start their servers through it."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, timeout: float = 180):
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", *argv, "--port", str(self.port)],
+            env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING", **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited early:\n{self.proc.stderr.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{argv[0]} did not become healthy in {timeout:.0f} s")
+
+    def stop(self, timeout: float = 120) -> int:
+        """SIGTERM, wait for the exit (SIGKILL after ``timeout``); the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

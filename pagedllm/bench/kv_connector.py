@@ -22,14 +22,11 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 
-from pagedllm.bench.common import cpu_name, report
+from pagedllm.bench.common import CliProcess, cpu_name, report
 
 FACT = ("Policy {i}: support agents answer politely, cite the knowledge base article number, never promise "
         "refunds without a ticket, and escalate outages to the on-call engineer within ten minutes.")  # fmt: skip
@@ -48,48 +45,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _start(argv: list[str], threads: int | None) -> CliProcess:
+    return CliProcess(argv, {"PAGEDLLM_NUM_THREADS": str(threads)} if threads else None, timeout=300)
 
 
-class _Proc:
-    """A ``pagedllm`` subcommand on a free loopback port, up once /health answers."""
-
-    def __init__(self, argv: list[str], threads: int | None, timeout: float = 300):
-        import httpx
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
-        if threads:
-            env["PAGEDLLM_NUM_THREADS"] = str(threads)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", *argv, "--port", str(self.port)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited early:\n{self.proc.stderr.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{argv[0]} did not become healthy")
-
-    def stop(self) -> float:
-        """SIGTERM, wait for the exit; returns the seconds it took."""
-        start = time.perf_counter()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return time.perf_counter() - start
+def _stop(proc: CliProcess) -> float:
+    """Stop it; the seconds that took."""
+    start = time.perf_counter()
+    proc.stop()
+    return time.perf_counter() - start
 
 
 def _serve_args(args: argparse.Namespace, kv: dict | None) -> list[str]:
@@ -124,15 +88,15 @@ def _restart(args: argparse.Namespace) -> dict:
 
     warm = [{"role": "user", "content": "Say hello."}]
     q1, q2 = chat("How fast must outages be escalated?"), chat("Can I promise a refund?")
-    first = _Proc(_serve_args(args, kv), args.threads)
+    first = _start(_serve_args(args, kv), args.threads)
     _chat_ttft(first.url, warm, 4)
     ttft_first, _ = _chat_ttft(first.url, q1)
-    stop_s = first.stop()
-    restarted = _Proc(_serve_args(args, kv), args.threads)
+    stop_s = _stop(first)
+    restarted = _start(_serve_args(args, kv), args.threads)
     _chat_ttft(restarted.url, warm, 4)
     ttft_restart, text_restart = _chat_ttft(restarted.url, q2)
     restarted.stop()
-    cold = _Proc(_serve_args(args, None), args.threads)
+    cold = _start(_serve_args(args, None), args.threads)
     _chat_ttft(cold.url, warm, 4)
     ttft_cold, text_cold = _chat_ttft(cold.url, q2)
     cold.stop()
@@ -159,12 +123,12 @@ def _drive(url: str, args: argparse.Namespace) -> dict:
 def _pd(args: argparse.Namespace) -> dict:
     threads = args.threads or 1
     store = args.store or tempfile.mkdtemp(prefix="pagedllm-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    single = _Proc(_serve_args(args, None), threads)
+    single = _start(_serve_args(args, None), threads)
     res_single = _drive(single.url, args)
     single.stop()
-    prefill = _Proc(_serve_args(args, {"kv_role": "kv_producer", "path": store}), threads)
-    decode = _Proc(_serve_args(args, {"kv_role": "kv_consumer", "path": store}), threads)
-    proxy = _Proc(["disagg-proxy", "--prefill", prefill.url, "--decode", decode.url], None)
+    prefill = _start(_serve_args(args, {"kv_role": "kv_producer", "path": store}), threads)
+    decode = _start(_serve_args(args, {"kv_role": "kv_consumer", "path": store}), threads)
+    proxy = _start(["disagg-proxy", "--prefill", prefill.url, "--decode", decode.url], None)
     res_pd = _drive(proxy.url, args)
     for p in (proxy, prefill, decode):
         p.stop()

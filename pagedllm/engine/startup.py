@@ -21,6 +21,7 @@ from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.registry import model_class
+from pagedllm.model.weight_arena import gather_packed
 from pagedllm.model.loader import ModelSource, load_weights, resolve_model
 from pagedllm.quantization import int8_activations
 from pagedllm.quantization.int8_activations import log_report as log_int8_report
@@ -114,6 +115,9 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
                 logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
         del packed
         n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
+        moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer
+    if moved:
+        logger.info("GGUF blocks for small steps: %.1f MiB in one huge-page buffer, in layer order", moved / (1 << 20))
     if n:
         logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
     if config.activation_dtype == "int8":  # the opt-in fast mode; the layers it cannot take stay as above

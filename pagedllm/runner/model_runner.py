@@ -45,8 +45,12 @@ class CachedRequestState:
     eos_token_ids: frozenset[int]
     bad_words_token_ids: list[list[int]]
     token_ids: list[int] = field(default_factory=list)  # prompt + output
-    spec_backoff: int = 0  # speculative decoding: see spec_decode/proposer.py
+    # Speculative decoding's per-request history (spec_decode/draft_length.py).
+    spec_hits: float = 0.0
+    spec_misses: float = 0.0
+    spec_backoff: int = 0
     spec_skip: int = 0
+    spec_drafted: int = 0
     lora_request: LoRARequest | None = None
 
     @classmethod
@@ -345,7 +349,7 @@ class ModelRunner:
                     n = s.num_new_tokens - len(s.spec_token_ids) + (accepted[i] or 0)
                     features[i] = (s.num_computed_tokens, hidden[int(query_start_loc[row]) : int(query_start_loc[row]) + n])
             result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted,
-                                                          last_hidden, features)  # fmt: skip
+                                                          last_hidden, features, [len(s.spec_token_ids) for s in sched])  # fmt: skip
         return result
 
     def accept(self, req_ids: list[str], sampled: list[list[int]]) -> None:

@@ -12,6 +12,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kv_cache_dtype import KVCacheSpec
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_length import DraftCost, DraftLengthPolicy, step_nbytes
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import DEFAULT_EAGLE, EagleHead, EagleProposer
 from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaProposer
@@ -24,8 +25,11 @@ class _State(Protocol):
     token_ids: list[int]
     output_token_ids: list[int]
     bad_words_token_ids: list[list[int]]
-    spec_backoff: int  # steps to wait after the next wholly rejected draft (0: none yet)
+    spec_hits: float  # draft_length.DraftLengthPolicy's acceptance history
+    spec_misses: float
+    spec_backoff: int  # steps to wait before the next probe (0: none yet)
     spec_skip: int  # steps left without drafts
+    spec_drafted: int  # tokens in the last draft proposed
 
 
 def can_speculate(params: SamplingParams, bad_words: list[list[int]]) -> bool:
@@ -35,22 +39,21 @@ def can_speculate(params: SamplingParams, bad_words: list[list[int]]) -> bool:
     return not (params.needs_penalties or params.min_tokens > 0 or bad_words or params.structured_outputs is not None)
 
 
-MAX_BACKOFF = 16
-
-
 class Proposer:
     """Drafts for the step's requests that just sampled, unless the batch is too big to gain.
 
-    A wholly rejected draft costs a step k extra rows for nothing, so a request whose draft
-    was all rejected waits 1, 2, 4, ... (at most 16) steps before its next draft; any accepted
-    token resets the wait. On text that never repeats, drafting then all but stops."""
+    Each request drafts as many tokens as its acceptance rate pays for, given the method's cost
+    (``draft_length.DraftLengthPolicy``): a request whose drafts are mostly rejected stops
+    drafting and only probes now and then, so speculation never costs much more than it saves."""
 
-    def __init__(self, config: SpeculativeConfig, drafter: Any = None):
+    def __init__(self, config: SpeculativeConfig, drafter: Any = None, cost: DraftCost = DraftCost()):
         """``drafter``: the model-based proposer of the method (e.g. ``DraftModelProposer``)
-        with ``propose(req_ids, token_ids)`` and ``forget(req_id)``; None for n-gram."""
+        with ``propose(req_ids, token_ids, limits, hidden)`` and ``forget(req_id)``; None for
+        n-gram. ``cost``: its work per draft, in plain decode steps of the target."""
         self.config = config
         self._ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.drafter = drafter
+        self.lengths = DraftLengthPolicy(config.num_speculative_tokens, cost, adaptive=config.auto_length)
 
     def forget(self, req_id: str) -> None:
         """The request ended or was preempted (a drafter frees whatever it kept for it)."""
@@ -69,19 +72,16 @@ class Proposer:
 
     def propose(
         self, states: list[_State], sampled: list[bool], accepted: list[int | None], hidden: Any = None,
-        features: list[tuple[int, Any]] | None = None,
+        features: list[tuple[int, Any]] | None = None, drafted: list[int] | None = None,
     ) -> list[list[int]]:
         """``accepted[i]``: how many of state i's draft tokens this step accepted (None: it had
-        none); ``hidden`` (when ``needs_hidden``): row i is state i's last hidden state;
-        ``features`` (when ``needs_features``): state i's (first position, hidden states of its
-        verified positions this step)."""
-        for s, a in zip(states, accepted):
-            if a is None:
-                continue
-            if a == 0:
-                s.spec_skip, s.spec_backoff = s.spec_backoff, min(MAX_BACKOFF, 2 * s.spec_backoff or 1)
-            else:
-                s.spec_skip = s.spec_backoff = 0
+        none) out of ``drafted[i]`` (default: as many as it was proposed); ``hidden`` (when
+        ``needs_hidden``): row i is state i's last hidden state; ``features`` (when
+        ``needs_features``): state i's (first position, hidden states of its verified positions
+        this step)."""
+        for i, (s, a) in enumerate(zip(states, accepted)):
+            if a is not None:
+                self.lengths.record(s, drafted[i] if drafted is not None else s.spec_drafted, a)
         if len(states) >= self.config.disable_by_batch_size:
             return [[] for _ in states]
         if features is not None:  # unobserved steps leave a gap: the drafter then starts the context over
@@ -94,23 +94,22 @@ class Proposer:
                 continue
             if len(s.output_token_ids) + 1 >= s.sampling_params.max_tokens:
                 continue  # no room for a draft before max_tokens
-            if s.spec_skip > 0:
-                s.spec_skip -= 1
-                continue
-            wanted.append(i)
+            k = self.lengths.length(s)
+            if k > 0:
+                # At most what fits before max_tokens (the scheduler trims drafts the same way).
+                wanted.append((i, min(k, s.sampling_params.max_tokens - len(s.output_token_ids) - 1)))
         drafts: list[list[int]] = [[] for _ in states]
         if not wanted:
             return drafts
-        token_ids = [states[i].token_ids for i in wanted]
+        token_ids = [states[i].token_ids for i, _ in wanted]
         if self.drafter is None:
-            found = self._ngram.propose(token_ids)
+            found = [d[:k] for d, (_, k) in zip(self._ngram.propose(token_ids), wanted)]
         else:
-            # At most what fits before max_tokens (the scheduler trims n-gram drafts the same way).
-            limits = [states[i].sampling_params.max_tokens - len(states[i].output_token_ids) - 1 for i in wanted]
-            rows = hidden[wanted] if self.needs_hidden else None
-            found = self.drafter.propose([states[i].req_id for i in wanted], token_ids, limits, rows)
-        for i, d in zip(wanted, found):
+            rows = hidden[[i for i, _ in wanted]] if self.needs_hidden else None
+            found = self.drafter.propose([states[i].req_id for i, _ in wanted], token_ids, [k for _, k in wanted], rows)
+        for (i, _), d in zip(wanted, found):
             drafts[i] = d
+            states[i].spec_drafted = len(d)
         return drafts
 
 
@@ -131,15 +130,26 @@ def make_proposer(config: SpeculativeConfig, target: Any, draft_model: Any, pool
     Medusa heads (``config.model``, else the ones shipped for the default model) over
     ``target``'s features and LM head."""
     k = config.num_speculative_tokens
-    drafter = None
+    drafter, cost = None, DraftCost()
+    # Decode reads every weight once per step, so a drafter's cost is its weight bytes per pass
+    # over the target's (plus a little dispatch for each model-based pass).
+    target_bytes = max(1, step_nbytes(target))
     if config.method == "draft_model":
         drafter = DraftModelProposer(draft_model, k, pool.num_blocks, pool.block_size, pool.max_model_len,
                                      pool.kv_spec, pool.backend, pool.device)  # fmt: skip
+        cost = DraftCost(fixed=DISPATCH_COST, per_token=step_nbytes(draft_model) / target_bytes)
     elif config.method == "eagle":
         head = EagleHead.load(Path(config.model or DEFAULT_EAGLE), target.arch.hidden_size, target.arch.vocab_size)
         drafter = EagleProposer(head, target, k, pool.num_blocks, pool.block_size, pool.max_model_len, pool.kv_spec,
                                 pool.backend, pool.device)  # fmt: skip
+        per_pass = (step_nbytes(head) + step_nbytes(target.lm_head)) / target_bytes
+        cost = DraftCost(fixed=DISPATCH_COST, per_token=per_pass + DISPATCH_COST)
     elif config.method == "medusa":
         heads = MedusaHeads.load(Path(config.model or DEFAULT_MEDUSA), target.arch.hidden_size, target.arch.vocab_size)
         drafter = MedusaProposer(heads, k, target.compute_logits)
-    return Proposer(config, drafter)
+        cost = DraftCost(fixed=(step_nbytes(heads) + step_nbytes(target.lm_head)) / target_bytes + DISPATCH_COST)
+    return Proposer(config, drafter, cost)
+
+
+# Python dispatch of one model-based drafting pass, in plain decode steps (~0.3 ms of ~8 ms).
+DISPATCH_COST = 0.04

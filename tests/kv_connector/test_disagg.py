@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.server_utils import ServerProcess, free_port
+from pagedllm.bench.common import CliProcess
+from tests.entrypoints.server_utils import ServerProcess
 
 MAX_TOKENS = 12
 WORDS = "apple river stone cloud garden mirror candle forest window silver thunder paper ocean lantern".split()
@@ -23,28 +20,8 @@ WORDS = "apple river stone cloud garden mirror candle forest window silver thund
 PROMPTS = [" ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(25 + 3 * i)) for i in range(20)]
 
 
-class ProxyProcess:
-    def __init__(self, prefill: str, decode: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "disagg-proxy", "--prefill", prefill,
-               "--decode", decode, "--port", str(self.port), "--prefill-timeout", "60"]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"})  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited early:\n{self.proc.stderr.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("proxy did not become healthy")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+def proxy_process(prefill: str, decode: str) -> CliProcess:
+    return CliProcess(["disagg-proxy", "--prefill", prefill, "--decode", decode, "--prefill-timeout", "60"], timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +44,7 @@ def pd(tiny_llama_tok, tmp_path_factory):
     with ThreadPoolExecutor(2) as pool:  # start both at once
         prefill_f, decode_f = pool.submit(server, "kv_producer"), pool.submit(server, "kv_consumer")
         prefill, decode = prefill_f.result(), decode_f.result()
-    proxy = ProxyProcess(prefill.url, decode.url)
+    proxy = proxy_process(prefill.url, decode.url)
     yield prefill, decode, proxy
     proxy.stop()
     prefill.stop()

@@ -56,7 +56,7 @@ def test_trained_eagle_head_loads_and_keeps_greedy_tokens(tiny_llama_tok, tiny_e
     for kwargs in (dict(num_kv_blocks=64), dict(num_kv_blocks=9, max_num_batched_tokens=8)):  # chunks, preemption
         kwargs |= dict(dtype="float32", log_stats_interval=1e9)
         plain = LLM(str(tiny_llama_tok), **kwargs).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        llm = LLM(str(tiny_llama_tok), speculative_config={"method": "eagle", "model": str(tiny_eagle)}, **kwargs)
+        llm = LLM(str(tiny_llama_tok), speculative_config={"method": "eagle", "model": str(tiny_eagle), "auto_length": False}, **kwargs)
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
         assert llm.llm_engine.stats.spec_total.num_draft_tokens > 0

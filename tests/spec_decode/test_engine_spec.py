@@ -127,7 +127,7 @@ def test_self_draft_accepts_every_token_and_gives_plain_tokens(tiny_llama_tok, d
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kwargs = CONFIGS[config] if config == "default" else dict(num_kv_blocks=16, max_num_batched_tokens=24)
     _, plain = _run(tiny_llama_tok, prompts, params, **kwargs)
-    spec = {"model": str(tiny_llama_tok), "num_speculative_tokens": 3}
+    spec = {"model": str(tiny_llama_tok), "num_speculative_tokens": 3, "auto_length": False}  # draft every step
     llm, got = _run(tiny_llama_tok, prompts, params, speculative_config=spec, **kwargs)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     stats = llm.llm_engine.stats.spec_total
@@ -148,7 +148,8 @@ def test_small_random_draft_keeps_greedy_and_seeded_tokens(tiny_llama_tok, tiny_
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)] * len(prompts)
     params[1] = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True)
     kwargs = CONFIGS[config]
-    spec = {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    spec = {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 4, "disable_by_batch_size": 64,
+            "auto_length": False}  # fmt: skip
     _, first = _run(tiny_llama_tok, prompts, params, speculative_config=spec, **kwargs)
     llm, again = _run(tiny_llama_tok, prompts, params, speculative_config=spec, **kwargs)
     _, plain = _run(tiny_llama_tok, prompts, params, **kwargs)

@@ -57,7 +57,7 @@ def test_medusa_drafts_keep_greedy_tokens(tiny_llama_tok, tiny_heads, default_to
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
     plain = LLM(str(tiny_llama_tok), **kwargs).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm = LLM(str(tiny_llama_tok), speculative_config={"method": "medusa", "model": str(tiny_heads)}, **kwargs)
+    llm = LLM(str(tiny_llama_tok), speculative_config={"method": "medusa", "model": str(tiny_heads), "auto_length": False}, **kwargs)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert llm.llm_engine.stats.spec_total.num_draft_tokens > 0

@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.sampler.sampler import Sampler, SamplingBatch
+from pagedllm.spec_decode.draft_length import VERIFY_COST_PER_TOKEN, DraftCost, best_length, expected_tokens
 from pagedllm.spec_decode.ngram import propose_ngram
 from pagedllm.spec_decode.proposer import Proposer
 
@@ -38,7 +39,8 @@ class _State:
         self.output_token_ids = []
         self.sampling_params = SamplingParams(**params)
         self.bad_words_token_ids = []
-        self.spec_backoff = self.spec_skip = 0
+        self.spec_backoff = self.spec_skip = self.spec_drafted = 0
+        self.spec_hits = self.spec_misses = 0.0
 
 
 def test_proposer_skips_big_batches_and_params_it_cannot_verify_exactly():
@@ -51,7 +53,8 @@ def test_proposer_skips_big_batches_and_params_it_cannot_verify_exactly():
 
 
 def test_a_wholly_rejected_draft_backs_off_exponentially_and_an_accepted_one_resets():
-    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2))
+    """With a fixed draft length (auto_length off), only wholly rejected drafts pause drafting."""
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2, auto_length=False))
     s = _State([1, 2, 3, 1, 2])
 
     def wait_after(accepted: int) -> int:
@@ -66,6 +69,57 @@ def test_a_wholly_rejected_draft_backs_off_exponentially_and_an_accepted_one_res
     assert proposer.propose([s], [True], [None])[0] == [3, 1]
     assert [wait_after(0) for _ in range(7)] == [0, 1, 2, 4, 8, 16, 16]
     assert wait_after(1) == 0 and wait_after(0) == 0 and wait_after(0) == 1  # reset, then again from the start
+
+
+def test_best_length_trades_expected_tokens_against_cost():
+    free = DraftCost()
+    assert best_length(0.9, 7, free) == 7  # cheap and accepted: draft all
+    assert best_length(0.0, 7, free) == 0  # never accepted: verifying costs only
+    assert best_length(0.5, 7, free) == 2  # 1.75 tokens for 1.26 steps beats 1.875 for 1.39
+    assert best_length(0.3, 3, DraftCost(per_token=0.3)) == 0  # 1.3 tokens for 1.43 steps: not worth it
+    assert best_length(0.3, 3, DraftCost(per_token=0.05)) == 1
+    assert best_length(0.95, 3, DraftCost(fixed=0.3)) == 3  # a fixed cost wants long drafts
+    # The chosen length's rate is the best of all lengths (0 = plain decoding, rate 1).
+    for a in np.linspace(0, 1, 21):
+        for cost in (free, DraftCost(0.2, 0.1), DraftCost(0.0, 0.5)):
+            rates = [expected_tokens(a, k) / (1 + (k > 0) * cost.fixed + k * (VERIFY_COST_PER_TOKEN + cost.per_token))
+                     for k in range(8)]  # fmt: skip
+            assert rates[best_length(a, 7, cost)] == pytest.approx(max(rates))
+
+
+def test_auto_length_follows_the_acceptance_rate_and_probes_when_drafting_stops():
+    """A request whose drafts keep failing stops drafting but for rare one-token probes (so it
+    costs at most a few percent); once drafts are accepted again it drafts long ones again."""
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=3), cost=DraftCost(per_token=0.2))
+    s = _State([1, 2, 3, 1, 2, 3, 1, 2])
+    lengths = []
+    accepted = None
+    for step in range(60):  # every draft rejected
+        d = proposer.propose([s], [True], [accepted])[0]
+        lengths.append(len(d))
+        accepted = 0 if d else None
+    assert lengths[0] >= 1 and max(lengths[10:]) == 1  # only probes once the rate has dropped
+    assert sum(lengths[30:]) <= 3  # probes every 17 steps at most
+    lengths = []
+    for step in range(80):  # now every draft accepted in full
+        d = proposer.propose([s], [True], [accepted])[0]
+        lengths.append(len(d))
+        accepted = len(d) if d else None
+    assert lengths[-10:] == [3] * 10, lengths
+
+
+def test_model_based_drafts_get_the_chosen_length():
+    class Drafter:
+        def propose(self, req_ids, token_ids, limits, hidden=None):
+            self.limits = limits
+            return [[7] * n for n in limits]
+
+    drafter = Drafter()
+    proposer = Proposer(SpeculativeConfig(method="eagle", num_speculative_tokens=5), drafter, DraftCost(per_token=0.1))
+    good, bad = _State([1, 2, 3]), _State([4, 5, 6])
+    good.spec_hits, bad.spec_misses = 20.0, 20.0
+    proposer.propose([good, bad], [True, True], [None, None])
+    assert drafter.limits[0] >= 4 and drafter.limits[1] == 1  # bad: a one-token probe
 
 
 VOCAB = 8

@@ -365,6 +365,18 @@ struct GroupQ8_0 { uint16_t d[GROUP_ROWS]; int8_t qs[QK][GROUP_ROWS]; };
 static_assert(sizeof(GroupQ4_1) == 320, "Q4_1 group-block is 320 bytes");
 static_assert(sizeof(GroupQ8_0) == 544, "Q8_0 group-block is 544 bytes");
 
+// One row's step streams every weight from DRAM once, and the hardware prefetcher alone kept
+// a core at ~8 GB/s of it (the same kernel reads ~12 GB/s from L3): ask for the group-block a
+// few ahead of the one being multiplied, all its cache lines.
+constexpr int PREFETCH_BLOCKS = 3;
+template <typename Group>
+inline void prefetch_ahead(const Group* g) {
+    if constexpr (PREFETCH_BLOCKS > 0) {
+        const char* p = reinterpret_cast<const char*>(g + PREFETCH_BLOCKS);
+        for (size_t off = 0; off < sizeof(Group); off += 64) __builtin_prefetch(p + off, 0, 3);
+    }
+}
+
 // The 16 weights of column k of a group-block (scalar path).
 inline void weights16(const GroupQ4_1& g, int k, float* w) {
     for (int j = 0; j < 8; j++) {
@@ -448,7 +460,10 @@ void gemm_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const Grou
     for (int64_t b = 0; b < nb; b++) {
         Scales s[NG];
 #pragma GCC unroll 4
-        for (int g = 0; g < NG; g++) s[g] = scales512(grp[g * nb + b]);
+        for (int g = 0; g < NG; g++) {
+            prefetch_ahead(grp + g * nb + b);
+            s[g] = scales512(grp[g * nb + b]);
+        }
         const float* xb = x + b * QK;
         for (int k = 0; k < QK; k++) {
             __m512 w[NG];
@@ -510,7 +525,10 @@ void gemm_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* 
     for (int64_t b = 0; b < nb; b++) {
         Scales s[NG];
 #pragma GCC unroll 2
-        for (int g = 0; g < NG; g++) s[g] = scales(grp[g * nb + b]);
+        for (int g = 0; g < NG; g++) {
+            prefetch_ahead(grp + g * nb + b);
+            s[g] = scales(grp[g * nb + b]);
+        }
         const float* xb = x + b * QK;
         for (int k = 0; k < QK; k++) {
             __m256 w[2 * NG];
