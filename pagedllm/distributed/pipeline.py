@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
-from pagedllm.distributed.parallel_state import ParallelContext
+from pagedllm.distributed.parallel_state import ParallelContext, RankInfo
 
 
 @torch.inference_mode()
@@ -72,11 +72,14 @@ class _NotOnThisStage(nn.Module):
 
 
 def install(model: nn.Module, ctx: ParallelContext) -> None:
-    """Make a stage-built model (its layers only) run as its pipeline stage, and release what
-    the stage never uses (the model was built whole at its ends: ``from_hf_state_dict`` wants
-    every weight; a tied head and embedding share one table until one of them is dropped)."""
-    info = ctx.info
+    """Make a stage-built model (its layers only) run as its pipeline stage."""
     model.forward = MethodType(lambda self, *args: _stage_forward(self, *args, ctx=ctx), model)
+
+
+def release_unused(model: nn.Module, info: RankInfo) -> None:
+    """Drop what the stage never runs: the model is built whole at its ends
+    (``from_hf_state_dict`` wants every weight; a tied head and embedding share one table
+    until one of them is dropped). Called by the loader before it lays the blocks out."""
     if not info.is_first_stage:
         model.embed_tokens = _NotOnThisStage("embedding", info.pp_rank, info.pp)
     if not info.is_last_stage:

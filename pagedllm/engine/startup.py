@@ -74,12 +74,14 @@ class KVCacheSizes:
 
 
 def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[ModelArch, dict]] | None = None,
-               tokenizer: bool = True) -> LoadedModel:  # fmt: skip
+               tokenizer: bool = True, trim: Callable[[torch.nn.Module], None] | None = None) -> LoadedModel:  # fmt: skip
     """Weights (dense, plus GGUF blocks / native panels where they serve), tokenizer, EOS ids.
 
     ``shard``: a worker's cut of the loaded state dict (distributed/sharding.py): the model is
     built from the slice only, so the rank never holds (or converts) the others' weights; the
-    returned ``arch`` stays the whole model's, ``model.arch`` is the shard's.
+    returned ``arch`` stays the whole model's, ``model.arch`` is the shard's. ``trim``: drops
+    the modules the rank never runs (a pipeline stage's embedding or LM head) once the model
+    is built, before its GGUF blocks are gathered into one buffer.
     """
     times = StartupTimes()
     with times.phase("weights"):
@@ -115,6 +117,8 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
                 logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
         del packed
         n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
+        if trim is not None:
+            trim(model)
         moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer
     if moved:
         logger.info("GGUF blocks for small steps: %.1f MiB in one huge-page buffer, in layer order", moved / (1 << 20))

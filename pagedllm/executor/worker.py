@@ -45,7 +45,7 @@ class WorkerInit:
     max_model_len: int
     dist_addr: str
     dist_port: int
-    load_model: Callable  # engine/startup.py's load_model(config, shard=..., tokenizer=False)
+    load_model: Callable  # engine/startup.py's load_model(config, shard=..., tokenizer=False, trim=...)
 
 
 def connect(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
@@ -138,7 +138,8 @@ def _build(rank: int, init: WorkerInit):
     info = RankInfo(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     ctx = init_parallel(info, init.dist_addr, init.dist_port)
     shard = partial(shard_state, tp_rank=info.tp_rank, tp=info.tp, pp_rank=info.pp_rank, pp=info.pp)
-    loaded = init.load_model(config, shard=shard, tokenizer=False)
+    trim = partial(pipeline.release_unused, info=info) if info.pp > 1 else None
+    loaded = init.load_model(config, shard=shard, tokenizer=False, trim=trim)
     model = loaded.model
     if info.tp > 1:
         tensor_parallel.install(model, ctx, vocab_range(loaded.arch.vocab_size, info.tp_rank, info.tp)[0], loaded.arch.vocab_size)
