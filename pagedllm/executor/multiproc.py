@@ -37,6 +37,7 @@ from pagedllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger("pagedllm.executor")
 
 POLL_SECONDS = 1.0  # how often a waiting engine checks its workers are alive
+STUCK_SECONDS = 10.0  # how long the other ranks may take to answer after one failed a step
 
 
 def authkey(config: EngineConfig) -> bytes:
@@ -178,14 +179,17 @@ class MultiprocExecutor(Executor):
         for conn, rank in got:
             self.conns[rank] = conn
 
-    def _recv(self, rank: int, expect: str | None = None):
+    def _recv(self, rank: int, expect: str | None = None, deadline: float | None = None):
         """The rank's next message; WorkerDeadError as soon as any local worker dies or the
-        rank's connection closes."""
+        rank's connection closes, or when ``deadline`` (time.monotonic) passes first."""
         if self._dead is not None:
             raise WorkerDeadError(self._dead)
         conn = self.conns[rank]
         sentinels = [p.sentinel for p in self.procs]
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                self._die(f"worker {rank} did not answer within {STUCK_SECONDS:.0f} s of a peer's failure: "
+                          "stuck in a collective with it")  # fmt: skip
             ready = wait([conn, *sentinels], timeout=POLL_SECONDS)
             if conn in ready:
                 try:
@@ -227,7 +231,13 @@ class MultiprocExecutor(Executor):
 
     def collect(self) -> ModelRunnerOutput:
         """Every rank answers each execute in order: read the oldest one's answers."""
-        replies = [self._recv(r) for r in range(self.world)]
+        replies, deadline = [], None
+        for r in range(self.world):
+            replies.append(self._recv(r, deadline=deadline))
+            if replies[-1][0] == "error" and deadline is None:
+                # A rank that failed mid-step may leave the others waiting for it in a
+                # collective (a later stage in its recv): give them a moment, not forever.
+                deadline = time.monotonic() + STUCK_SECONDS
         errors = [reply[1] for reply in replies if reply[0] == "error"]
         if errors and len(errors) < self.world:
             # Some ranks failed where others did not: their collectives no longer pair up.
