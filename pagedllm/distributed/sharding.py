@@ -212,7 +212,5 @@ def shard_state(
         vocab_size=v1 - v0,
         num_layers=last - first,
         layer_types=layer_types,
-        # head_dim stays the model's: the scale must not follow the rank's head count
-        query_pre_attn_scalar=arch.query_pre_attn_scalar,
-    )
+    )  # head_dim (and so the attention scale) stays the model's
     return local, out

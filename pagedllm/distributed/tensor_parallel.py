@@ -18,7 +18,8 @@ The one-call native decoder stack has no all-reduce, so it refuses a model with
 from __future__ import annotations
 
 import time
-from types import MethodType
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -70,8 +71,8 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(rows, self.ctx)
 
 
-def _gathered_logits(model: nn.Module, hidden: torch.Tensor, *, local_logits, ctx: ParallelContext, vocab_size: int,
-                     per_rank: int) -> torch.Tensor:  # fmt: skip
+def _gathered_logits(hidden: torch.Tensor, *, local_logits: Callable[[torch.Tensor], torch.Tensor],
+                     ctx: ParallelContext, vocab_size: int, per_rank: int) -> torch.Tensor:  # fmt: skip
     """Full fp32 logits: every rank's slice (padded to ``per_rank`` columns) all-gathered."""
     part = local_logits(hidden)
     if part.shape[1] < per_rank:
@@ -94,6 +95,5 @@ def install(model: nn.Module, ctx: ParallelContext, vocab_start: int, vocab_size
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, vocab_start, ctx)
     per_rank = -(-vocab_size // tp)
     local_logits = model.compute_logits
-    model.compute_logits = MethodType(
-        lambda self, hidden: _gathered_logits(self, hidden, local_logits=local_logits, ctx=ctx,
-                                              vocab_size=vocab_size, per_rank=per_rank), model)  # fmt: skip
+    model.compute_logits = partial(_gathered_logits, local_logits=local_logits, ctx=ctx, vocab_size=vocab_size,
+                                   per_rank=per_rank)  # fmt: skip

@@ -162,3 +162,20 @@ def test_pipeline_keeps_one_batch_per_stage_in_flight(uneven_gqa):
         assert _greedy(llm, prompts, max_tokens=12) == ref  # no stale answers left in the pipes
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("variant, model_type, overrides", [
+    ("qwen2-bias", "qwen2", {}),
+    ("qwen3-qk-norm", "qwen3", {"head_dim": 16}),
+    ("llama-tied", "llama", {"tie_word_embeddings": True, "vocab_size": 257}),  # uneven vocabulary split (129 + 128)
+    ("gemma3", "gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 24}),
+])  # fmt: skip
+def test_tensor_parallel_architectures(tmp_path, variant, model_type, overrides):
+    path = save_tiny_model(tmp_path / variant, model_type, seed=5, **overrides)
+    prompts = _prompts((3, 30))
+    ref = _greedy(LLM(str(path), **ENGINE), prompts)
+    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
