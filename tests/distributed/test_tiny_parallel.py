@@ -179,3 +179,18 @@ def test_tensor_parallel_architectures(tmp_path, variant, model_type, overrides)
         assert _greedy(llm, prompts) == ref
     finally:
         llm.llm_engine.close()
+
+
+def test_ranks_pinned_to_their_own_cores(uneven_gqa, monkeypatch):
+    """PAGEDLLM_PIN_THREADS=1: each rank gets its share of the cores, pinned, one thread per core."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.setenv("PAGEDLLM_PIN_THREADS", "1")
+    monkeypatch.delenv("PAGEDLLM_NUM_THREADS", raising=False)
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, **ENGINE)
+    try:
+        reports = llm.llm_engine.executor.worker_reports
+        cpus = [set(r["cpus"]) for r in reports]
+        assert not (cpus[0] & cpus[1]) and all(r["threads"] == len(r["cpus"]) for r in reports)
+    finally:
+        llm.llm_engine.close()
