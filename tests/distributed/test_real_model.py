@@ -12,7 +12,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tests.parity import assert_engines_agree
 
-pytestmark = pytest.mark.slow  # the real default model (the repo's meaning of slow); ~35 s in all
+pytestmark = pytest.mark.slow  # the real default model (the repo's meaning of slow); ~20 s in all
 
 MAX_TOKENS = 20
 # 14 blocks of 16 tokens for 4 requests of up to ~150 tokens: some are preempted and recomputed.
