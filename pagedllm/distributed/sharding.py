@@ -119,9 +119,11 @@ def check_supported(arch: ModelArch, tp: int, pp: int) -> None:
 
 
 def _rows(w: Any, start: int, end: int) -> Any:
-    """Output rows [start, end) of a weight (dense, GGUF blocks, or row segments)."""
+    """Output rows [start, end) of a weight (dense, GGUF blocks, or row segments). A dense
+    slice is copied, so the whole tensor is freed with the state dict; GGUF rows stay views of
+    the memory-mapped file (only the pages a rank reads become resident)."""
     if isinstance(w, torch.Tensor):
-        return w[start:end]
+        return w[start:end].clone() if (start, end) != (0, w.shape[0]) else w
     out, offset = [], 0
     for seg in segments(w):
         a, b = max(start, offset), min(end, offset + seg.out_features)
