@@ -264,6 +264,10 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # Data parallelism (pagedllm/data_parallel/, docs/parallelism.md): this many engine replicas,
+    # each its own process with its own model copy and KV pool (kv_cache_space is per replica),
+    # behind one API server's load balancer. 1 = the engine runs in the server's own process.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -300,7 +304,7 @@ class EngineConfig:
             # A request admitted with loaded blocks and swapped out in the same step would save
             # its blocks before they are loaded; recompute gets them back from the store.
             raise ValueError("kv_transfer_config needs preemption_mode='recompute'")
-        for name in ("max_loras", "max_lora_rank"):
+        for name in ("max_loras", "max_lora_rank", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -25,6 +25,7 @@ LAYERS = {
     "runner": 5, "tokenizer": 5, "structured_output": 5, "distributed": 5,
     "executor": 6,
     "engine": 7,
+    "data_parallel": 7.5,  # replicas of the engine in processes, behind a load balancer
     "entrypoints": 8,
     "bench": 9,
     "cli": 10, "__init__": 10,

@@ -65,6 +65,8 @@ def _rates(w: Workload, elapsed: float) -> dict:
 
 
 def run_pagedllm(w: Workload, engine_kwargs: dict) -> dict:
+    if engine_kwargs.get("data_parallel_size", 1) > 1:
+        return run_pagedllm_dp(w, engine_kwargs)
     from pagedllm import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in w.prompts()]
@@ -97,6 +99,38 @@ def parallel_line(parallel: dict | None) -> str:
         return ""
     return (f"\nTP={parallel['tensor_parallel_size']} PP={parallel['pipeline_parallel_size']}: all-reduce / gather "
             f"{parallel['collective_ms_per_step']:.2f} ms per step (slowest rank, {parallel['steps']} steps)")
+
+
+def run_pagedllm_dp(w: Workload, engine_kwargs: dict) -> dict:
+    """``--data-parallel-size N``: the same prompts through N replica processes (DPAsyncLLM, the
+    server's engine), all queued at once as one generate call would; each replica has its share
+    of the cores (PAGEDLLM_NUM_THREADS per replica overrides)."""
+    import asyncio
+
+    from pagedllm import SamplingParams
+    from pagedllm.config import EngineConfig
+    from pagedllm.data_parallel.client import DPAsyncLLM
+
+    prompts = [{"prompt_token_ids": p} for p in w.prompts()]
+    llm = DPAsyncLLM(EngineConfig(**engine_kwargs), log_stats_interval=1e9)
+
+    async def generate(batch: list, max_tokens: int) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+        async def one(prompt: dict) -> int:
+            return sum([len(out.outputs[0].token_ids) async for out in llm.generate(prompt, params)])
+
+        return list(await asyncio.gather(*(one(p) for p in batch)))
+
+    try:
+        asyncio.run(generate(prompts[:4], 4))
+        start = time.perf_counter()
+        counts = asyncio.run(generate(prompts, w.output_len))
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    assert all(n == w.output_len for n in counts), "every request must give output_len tokens"
+    return {"engine": f"pagedllm-dp{llm.data_parallel_size}", **_rates(w, elapsed)}
 
 
 def run_peer(engine: str, w: Workload, model: str | None, dtype: str, python: str | None,
@@ -139,9 +173,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     result = {"workload": w.name, "model": engine_kwargs.get("model") or DEFAULT_MODEL_NAME,
               "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
               "dtype": str(dtype).removeprefix("torch."), "activation_dtype": engine_kwargs.get("activation_dtype", "float32"),
-              "pagedllm": ours}  # fmt: skip
+              "data_parallel_size": engine_kwargs.get("data_parallel_size", 1), "pagedllm": ours}  # fmt: skip
+    dp = f" DP={result['data_parallel_size']}" if result["data_parallel_size"] > 1 else ""
     line = (
-        f"pagedllm ({w.name}, {result['dtype']}, {result['activation_dtype']} activations): {ours['requests_per_s']:.2f} requests/s, "
+        f"pagedllm{dp} ({w.name}, {result['dtype']}, {result['activation_dtype']} activations): {ours['requests_per_s']:.2f} requests/s, "
         f"{ours['total_tokens_per_s']:.1f} total tokens/s, {ours['output_tokens_per_s']:.1f} output tokens/s "
         f"({ours['elapsed_s']:.1f} s)"
     ) + parallel_line(ours.get("parallel"))

@@ -70,6 +70,7 @@ class AsyncLLM:
         self.engine = LLMEngine(config, log_stats_interval=log_stats_interval)
         # Beyond this many waiting requests new ones are refused (EngineOverloadedError).
         self.max_waiting_requests = max_waiting_requests
+        self.data_parallel_size = 1  # the in-process engine; pagedllm/data_parallel/ runs replicas
         self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input")
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -168,10 +169,13 @@ class AsyncLLM:
         async for out in await self.add_request(prompt, sampling_params, request_id):
             yield out
 
-    async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def call_in_engine(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:
         """Run ``fn(engine)`` on the engine thread between two steps (loading a LoRA adapter, a
         consistent lock-free read of its state for the dashboard: the engine's state is only
-        ever touched there); its result or exception comes back."""
+        ever touched there); its result or exception comes back. ``replica``: always 0 here
+        (DPAsyncLLM's interface)."""
+        if replica != 0:
+            raise ValueError(f"replica {replica} does not exist (data_parallel_size 1)")
         self._check_alive()
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._lock:
@@ -179,6 +183,24 @@ class AsyncLLM:
             self._commands.put(("call", fn, done))
         self._wakeup.set()
         return await done
+
+    async def call_in_all_engines(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:
+        """``[fn(engine)]``: the one-replica case of DPAsyncLLM's broadcast (LoRA loading)."""
+        return [await self.call_in_engine(fn)]
+
+    def add_stat_logger(self, stat_logger: Any, replica: int | None = None) -> None:
+        """``stat_logger.record(StepStats)`` after every step (on the engine thread)."""
+        self.engine.stat_loggers.append(stat_logger)
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def kv_cache_usage(self) -> float:
+        return self.engine.kv_cache_manager.usage()
+
+    def num_in_flight(self) -> int:
+        """Requests added and not finished (streams still open)."""
+        return len(self._streams)
 
     def _command(self, cmd: tuple) -> None:
         with self._lock:

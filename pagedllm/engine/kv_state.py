@@ -12,6 +12,7 @@ The JSON shape is documented in docs/dashboard.md (``GET /v1/kv_cache/state``).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -23,11 +24,15 @@ FREE, CACHED, USED = "f", "c", "u"
 
 
 class RecentStats:
-    """Per-second sums of what each step did, over the last ``window`` seconds."""
+    """Per-second sums of what each step did, over the last ``window`` seconds.
+
+    Thread-safe: steps are recorded on the thread that receives them (the engine thread, or
+    with data parallelism the thread reading the replicas) while the server reads it."""
 
     def __init__(self, window: float = 300.0, clock=time.monotonic):
         self.window = window
         self.clock = clock
+        self._lock = threading.Lock()
         # [second, prompt tokens, generated tokens, prefix queries, prefix hits, preemptions]
         self._buckets: deque[list[int]] = deque()
         self.num_preemptions_total = 0
@@ -35,6 +40,10 @@ class RecentStats:
         self.prefix_hits_total = 0
 
     def record(self, stats: StepStats) -> None:
+        with self._lock:
+            self._record(stats)
+
+    def _record(self, stats: StepStats) -> None:
         now = int(self.clock())
         if not self._buckets or self._buckets[-1][0] != now:
             self._buckets.append([now, 0, 0, 0, 0, 0])
@@ -57,7 +66,9 @@ class RecentStats:
         start = now - int(self.window) + 1
         n = -(-int(self.window) // bucket)
         sums = [[0] * 5 for _ in range(n)]
-        for second, *counts in self._buckets:
+        with self._lock:
+            buckets = [list(b) for b in self._buckets]
+        for second, *counts in buckets:
             i = (second - start) // bucket
             if 0 <= i < n:
                 for k, c in enumerate(counts):
@@ -86,15 +97,6 @@ def kv_cache_state(engine: Any, recent: RecentStats | None = None) -> dict[str, 
         if len(holders) > 1:
             shared.append(block_id)
     codes = bytes.maketrans(b"\x00\x01\x02", (FREE + CACHED + USED).encode())
-    recent_part: dict[str, Any] = {}
-    if recent is not None:
-        queries, hits = recent.prefix_queries_total, recent.prefix_hits_total
-        recent_part = {
-            "window_seconds": recent.window,
-            "series": recent.series(),
-            "prefix_hit_rate_total": hits / queries if queries else None,
-            "num_preemptions_total": recent.num_preemptions_total,
-        }
     return {
         "time": time.time(),
         "num_blocks": pool.num_blocks,
@@ -110,5 +112,20 @@ def kv_cache_state(engine: Any, recent: RecentStats | None = None) -> dict[str, 
         "num_running": sum(r["queue"] == "running" for r in requests),
         "num_waiting": sum(r["queue"] == "waiting" for r in requests),
         "num_preemptions_total": engine.scheduler.num_preemptions_total,
-        "recent": recent_part,
+        "recent": recent_summary(recent),
+    }
+
+
+def recent_summary(recent: RecentStats | None) -> dict[str, Any]:
+    """The state's ``recent`` part (it can be filled in apart from the engine: with data
+    parallelism the snapshot comes from a replica process, the recent stats from the server's)."""
+    if recent is None:
+        return {}
+    with recent._lock:
+        queries, hits, preemptions = recent.prefix_queries_total, recent.prefix_hits_total, recent.num_preemptions_total
+    return {
+        "window_seconds": recent.window,
+        "series": recent.series(),
+        "prefix_hit_rate_total": hits / queries if queries else None,
+        "num_preemptions_total": preemptions,
     }

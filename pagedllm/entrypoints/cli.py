@@ -54,6 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--node-rank", type=int, default=0, help="this node's index; nodes >= 1 run with --headless (default: %(default)s)")
     g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address: torch.distributed rendezvous and the engine's control channel (default: %(default)s)")
     g.add_argument("--master-port", type=int, default=None, help="rendezvous port on --master-addr; the control channel uses the next one (default: a free port; required with --nnodes > 1)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=defaults["data_parallel_size"], help="engine replicas, one process each (own model copy and KV pool: --kv-cache-space is per replica), behind one server that routes by load and prefix affinity; each gets its share of the cores (docs/parallelism.md) (default: %(default)s)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
@@ -118,7 +119,14 @@ ENGINE_BENCHES = {
 }
 
 
+# The engine benchmarks that run with --data-parallel-size > 1 (the others read one engine's state).
+DATA_PARALLEL_BENCHES = {"throughput"}
+
+
 def _run_engine_bench(module, args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1 and args.bench not in DATA_PARALLEL_BENCHES:
+        raise ValueError(f"bench {args.bench} runs one engine; --data-parallel-size works with: {', '.join(sorted(DATA_PARALLEL_BENCHES))} "
+                         "(and `pagedllm bench serve` against `pagedllm serve --data-parallel-size N`)")  # fmt: skip
     module.run(args, engine_config_from_args(args).to_dict())
     return 0
 

@@ -35,16 +35,36 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        config = EngineConfig(model=model, **engine_args)
         # Process-wide settings belong to the entry point, not to the engine.
         configure_logging()
+        self.data_parallel = None
+        if config.data_parallel_size > 1:  # N replica processes (pagedllm/data_parallel/); no engine here
+            from pagedllm.data_parallel.client import DPAsyncLLM
+
+            self.data_parallel = DPAsyncLLM(config, log_stats_interval=log_stats_interval)
+            self.llm_engine = None
+            return
         configure_threads()
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args), log_stats_interval=log_stats_interval)
+        self.llm_engine = LLMEngine(config, log_stats_interval=log_stats_interval)
 
     def get_tokenizer(self) -> Any:
+        if self.data_parallel is not None:
+            return self.data_parallel.tokenizer
         return self.llm_engine.get_tokenizer()
 
     def reset_prefix_cache(self) -> None:
+        if self.data_parallel is not None:
+            from pagedllm.data_parallel import offline
+
+            return offline.reset_prefix_cache(self.data_parallel)
         self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the data-parallel replicas now (they are also stopped at exit); one engine in
+        this process needs nothing."""
+        if self.data_parallel is not None:
+            self.data_parallel.shutdown()
 
     def chat(
         self,
@@ -123,6 +143,10 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one or one per prompt")
+        if self.data_parallel is not None:
+            from pagedllm.data_parallel import offline
+
+            return offline.generate(self.data_parallel, prompts, params_list, priorities, loras, use_tqdm)
         engine = self.llm_engine
         added: list[str] = []
         try:
@@ -143,6 +167,8 @@ class LLM:
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if self.data_parallel is not None:
+            raise ValueError("beam_search runs on one engine; data_parallel_size > 1 is not supported here")
         engine = self.llm_engine
         added: list[str] = []
         try:

@@ -130,6 +130,18 @@ class Linear(nn.Module):
             self.weight = None
         return True
 
+    def step_nbytes(self) -> int:
+        """Bytes of weight a one-row step reads: the form small steps run on (GGUF blocks, int8
+        panels, row segments), else the dense weight (speculative decoding prices drafts by it)."""
+        if self.packed is not None:
+            return self.packed.numel()
+        if self.int8 is not None:
+            return self.in_features * self.out_features
+        if self.quant is not None:
+            return sum(s.nbytes for s in self.quant)
+        dense = self.weight if self.weight is not None else self.panels
+        return 0 if dense is None else dense.numel() * dense.element_size()
+
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.weight.dtype if self.panels is None and self.weight is not None else torch.float32

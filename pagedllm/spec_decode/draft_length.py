@@ -103,25 +103,13 @@ class DraftLengthPolicy:
 
 
 def step_nbytes(module: nn.Module) -> int:
-    """Bytes of weights one single-token step of ``module`` reads: each linear's smallest-step
-    form (GGUF blocks, int8 panels or the dense weight); other parameters (norms) are noise."""
-    from pagedllm.model.linear import Linear
-
+    """Bytes of weights one single-token step of ``module`` reads: each of our linears' own
+    count (``Linear.step_nbytes``: its smallest-step form), torch linears' weights; other
+    parameters (norms) are noise."""
     total = 0
     for m in module.modules():
-        if isinstance(m, nn.Linear):
+        if hasattr(m, "step_nbytes"):
+            total += m.step_nbytes()
+        elif isinstance(m, nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
-            continue
-        if not isinstance(m, Linear):
-            continue
-        if m.packed is not None:
-            total += m.packed.numel()
-        elif m.int8 is not None:
-            total += m.in_features * m.out_features
-        elif m.quant is not None:
-            total += sum(s.nbytes for s in m.quant)
-        elif m.weight is not None:
-            total += m.weight.numel() * m.weight.element_size()
-        elif m.panels is not None:
-            total += m.panels.numel() * m.panels.element_size()
     return total

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -277,13 +278,15 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
-            if llm.engine.runner is None or llm.engine.runner.lora is None:
+            if not llm.engine.config.enable_lora:
                 raise ValueError("LoRA is not enabled; start the server with --enable-lora")
             name = req.lora_name
             if name in serving.loras or name in (served_model_name, model_root):
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             lora = serving.new_lora_request(name, req.lora_path)
-            await llm.call_in_engine(lambda engine: engine.add_lora(lora))  # ValueError -> 400, nothing changed
+            # In every replica; ValueError -> 400, nothing changed. (A method call, not a lambda: it
+            # may have to be pickled to replica processes.)
+            await llm.call_in_all_engines(operator.methodcaller("add_lora", lora))
             serving.loras[name] = lora
             logger.info("LoRA adapter %r loaded from %s", name, req.lora_path)
             return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
@@ -294,7 +297,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             if lora is None:
                 return error_response(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError", "lora_name")
             # Requests already running with it finish with it; new ones can no longer name it.
-            await llm.call_in_engine(lambda engine: engine.remove_lora(lora.lora_int_id))
+            await llm.call_in_all_engines(operator.methodcaller("remove_lora", lora.lora_int_id))
             logger.info("LoRA adapter %r unloaded", req.lora_name)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
@@ -368,6 +371,16 @@ def default_max_waiting_requests(max_num_seqs: int) -> int:
     return max(1024, 8 * max_num_seqs)
 
 
+def make_async_llm(engine_config: Any, **kwargs: Any) -> AsyncLLM:
+    """The engine in this process (AsyncLLM), or ``data_parallel_size`` replica processes behind
+    a load balancer (DPAsyncLLM, the same interface)."""
+    if engine_config.data_parallel_size > 1:
+        from pagedllm.data_parallel.client import DPAsyncLLM
+
+        return DPAsyncLLM(engine_config, **kwargs)  # type: ignore[return-value]
+    return AsyncLLM(engine_config, **kwargs)
+
+
 def run_server(args: argparse.Namespace, engine_config: Any) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
     import uvicorn
@@ -384,7 +397,7 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not engine_config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    llm = AsyncLLM(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
+    llm = make_async_llm(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
     config = ServerConfig(
         served_model_name=args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME),
         model_root=str(llm.engine.source.path),
@@ -417,7 +430,7 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
                 self.force_exit = True
                 llm.abort_all()
                 return
-            logger.info("shutting down: %d request(s) in flight get %.0f s to finish", len(llm.engine.scheduler.requests), grace)
+            logger.info("shutting down: %d request(s) in flight get %.0f s to finish", llm.num_in_flight(), grace)
             timer = threading.Timer(grace, llm.abort_all)
             timer.daemon = True
             timer.start()

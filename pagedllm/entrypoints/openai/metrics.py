@@ -66,9 +66,17 @@ class ServerMetrics:
         def gauge(name: str, doc: str, fn) -> None:
             Gauge(f"pagedllm:{name}", doc, ["model_name"], registry=r).labels(**labels).set_function(fn)
 
-        gauge("num_requests_running", "Requests in the running batch.", lambda: len(engine.scheduler.running))
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: len(engine.scheduler.waiting))
-        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", engine.kv_cache_manager.usage)
+        # With data parallelism: sums over the replicas (usage: their mean), as of their last step.
+        gauge("num_requests_running", "Requests in the running batch.", async_llm.num_running)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.", async_llm.num_waiting)
+        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", async_llm.kv_cache_usage)
+        if async_llm.data_parallel_size > 1:  # each replica's load, as the balancer sees it
+            per_replica = [("dp_replica_num_requests", "Requests routed to a data-parallel replica and not finished.", 0),
+                           ("dp_replica_kv_cache_usage_perc", "A data-parallel replica's KV-cache usage (0..1).", 1)]  # fmt: skip
+            for name, doc, k in per_replica:
+                g = Gauge(f"pagedllm:{name}", doc, ["model_name", "engine"], registry=r)
+                for i in range(async_llm.data_parallel_size):
+                    g.labels(engine=str(i), **labels).set_function(lambda i=i, k=k: async_llm.replica_loads()[i][k])
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r).labels(**labels)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r).labels(**labels)
         self.prefix_queries = Counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model_name"], registry=r).labels(**labels)
@@ -103,7 +111,7 @@ class ServerMetrics:
             "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
             ["model_name", "position"], registry=r,
         )  # fmt: skip
-        self.kv_connector = KVConnectorMetrics(r, labels) if engine.kv_connector is not None else None
+        self.kv_connector = KVConnectorMetrics(r, labels) if engine.config.kv_transfer_config is not None else None
         if engine.kv_connector is not None:
             connector = engine.kv_connector
             gauge("kv_connector_store_bytes", "Bytes of block files in the KV store (as this server knows them).",
@@ -124,7 +132,7 @@ class ServerMetrics:
             self._lora_last: tuple | None = None
         self._engine = engine
         self._last_token_time: dict[str, float] = {}
-        engine.stat_loggers.append(self)
+        async_llm.add_stat_logger(self)
         async_llm.output_hooks.append(self.on_output)
 
     def record(self, stats: StepStats) -> None:
