@@ -115,7 +115,7 @@ def run_worker(rank: int, address: tuple[str, int], authkey: bytes, num_threads:
         assert kind == "init", kind
         runner, ctx, report = _build(rank, init)
         conn.send(("ready", report))
-        _serve(conn, runner, ctx, rank == init.config.world_size - 1)
+        _serve(conn, runner, ctx, rank == init.config.world_size - 1, injected_fault(rank))
     except EOFError:  # the engine is gone
         pass
     except BaseException:
@@ -165,7 +165,18 @@ def _build(rank: int, init: WorkerInit):
     return runner, ctx, report
 
 
-def _serve(conn: Connection, runner, ctx, returns_output: bool) -> None:
+def injected_fault(rank: int) -> int | None:
+    """Tests only: ``PAGEDLLM_WORKER_FAULT=R:T`` makes rank R alone fail every step that runs a
+    prompt containing token T (the others go on into their collectives), as a fault on one
+    rank would. Unset: None, and the step pays one ``is None`` test."""
+    spec = os.environ.get("PAGEDLLM_WORKER_FAULT")
+    if not spec:
+        return None
+    fault_rank, _, token = spec.partition(":")
+    return int(token) if int(fault_rank) == rank else None
+
+
+def _serve(conn: Connection, runner, ctx, returns_output: bool, fault: int | None = None) -> None:
     while True:
         msg = conn.recv()
         kind = msg[0]
@@ -174,6 +185,8 @@ def _serve(conn: Connection, runner, ctx, returns_output: bool) -> None:
         elif kind == "execute":
             ctx.allreduce_seconds = 0.0
             try:
+                if fault is not None and any(fault in runner.requests[x.req_id].prompt_token_ids for x in msg[1].scheduled):
+                    raise RuntimeError("injected fault (PAGEDLLM_WORKER_FAULT)")
                 result = runner.execute(msg[1])
             except Exception as e:  # the engine isolates it (every rank saw the same step)
                 logger.warning("step failed: %s: %s", type(e).__name__, e)

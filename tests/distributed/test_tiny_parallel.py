@@ -194,3 +194,19 @@ def test_ranks_pinned_to_their_own_cores(uneven_gqa, monkeypatch):
         assert not (cpus[0] & cpus[1]) and all(r["threads"] == len(r["cpus"]) for r in reports)
     finally:
         llm.llm_engine.close()
+
+
+def test_a_fault_on_one_rank_ends_the_engine_without_hanging(uneven_gqa, monkeypatch):
+    """Rank 0 alone fails a step; rank 1 waits in its all-reduce for rank 0: the engine gives
+    it 10 s (STUCK_SECONDS), then stops, instead of waiting on a collective forever."""
+    mark = 77
+    monkeypatch.setenv("PAGEDLLM_WORKER_FAULT", f"0:{mark}")
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert len(_greedy(llm, _prompts((4,)), max_tokens=2)) == 1  # no mark: runs
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="did not answer|workers only"):
+            _greedy(llm, [{"prompt_token_ids": [10, mark, 11]}], max_tokens=2)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.llm_engine.close()
