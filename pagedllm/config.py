@@ -250,6 +250,20 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Parallelism (pagedllm/executor/, pagedllm/distributed/, docs/parallelism.md): attention
+    # heads, MLP width and vocabulary split over tensor_parallel_size ranks, layers over
+    # pipeline_parallel_size stages; world = tp x pp worker processes over torch.distributed.
+    # Both 1 (default): the model runs in the engine's process, as before.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Multi-node (env:// style rendezvous, as torchrun): the world's ranks are spread evenly
+    # over nnodes; node node_rank runs ranks node_rank * (world / nnodes) onwards. master_addr /
+    # master_port: torch.distributed's rendezvous (rank 0's node); the engine's control
+    # channel listens on master_port + 1. None = a free port (single node only).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # Data parallelism (pagedllm/data_parallel/, docs/parallelism.md): this many engine replicas,
     # each its own process with its own model copy and KV pool (kv_cache_space is per replica),
     # behind one API server's load balancer. 1 = the engine runs in the server's own process.
@@ -300,6 +314,36 @@ class EngineConfig:
         if self.kv_transfer_config is not None and self.enable_lora:
             # The store's blocks are keyed without the adapter yet: never mix them up.
             raise ValueError("kv_transfer_config cannot be combined with enable_lora yet")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size x pipeline_parallel_size "
+                             f"({self.world_size})")  # fmt: skip
+        if self.master_port is not None and (not isinstance(self.master_port, int) or not 0 < self.master_port < 65535):
+            raise ValueError(f"master_port must be a TCP port below 65535, got {self.master_port!r}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("master_port is required with nnodes > 1 (every node must find the same rendezvous)")
+        if self.world_size > 1:
+            # Each of these keeps per-rank state the workers do not share yet.
+            for name, on in (("enable_lora", self.enable_lora), ("speculative_config", self.speculative_config),
+                             ("kv_transfer_config", self.kv_transfer_config)):  # fmt: skip
+                if on:
+                    raise ValueError(f"{name} is not supported with tensor_parallel_size x pipeline_parallel_size > 1 yet")
+            if self.activation_dtype != "float32":
+                raise ValueError("activation_dtype=int8 is not supported with tensor_parallel_size x "
+                                 "pipeline_parallel_size > 1 yet")  # fmt: skip
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def lora_cpu_capacity(self) -> int:

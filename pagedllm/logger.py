@@ -9,12 +9,13 @@ import sys
 _FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
 
-def configure_logging() -> None:
+def configure_logging(tag: str = "") -> None:
+    """``tag``: put in front of every message (a worker process's "[rank 1] ")."""
     root = logging.getLogger("pagedllm")
     if getattr(root, "_pagedllm_configured", False):
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
+    handler.setFormatter(logging.Formatter(_FORMAT.replace("%(message)s", tag + "%(message)s"), datefmt="%m-%d %H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
     root.propagate = False

@@ -22,12 +22,13 @@ LAYERS = {
     "request": 2,
     "kv_cache": 3, "kv_connector": 3, "attention": 3, "sampler": 3, "quantization": 3,
     "scheduler": 4, "model": 4, "spec_decode": 4,
-    "runner": 5, "tokenizer": 5, "structured_output": 5,
-    "engine": 6,
-    "data_parallel": 6.5,  # replicas of the engine in processes, behind a load balancer
-    "entrypoints": 7,
-    "bench": 8,
-    "cli": 9, "__init__": 9,
+    "runner": 5, "tokenizer": 5, "structured_output": 5, "distributed": 5,
+    "executor": 6,
+    "engine": 7,
+    "data_parallel": 7.5,  # replicas of the engine in processes, behind a load balancer
+    "entrypoints": 8,
+    "bench": 9,
+    "cli": 10, "__init__": 10,
 }  # fmt: skip
 # What ``from pagedllm import X`` resolves to (the package root re-exports these).
 ROOT_EXPORTS = {"LLM": "entrypoints", "LoRARequest": "lora", "SamplingParams": "sampling_params", "StructuredOutputsParams": "sampling_params", "RequestOutput": "outputs",

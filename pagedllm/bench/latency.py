@@ -13,6 +13,7 @@ import statistics
 import time
 
 from pagedllm.bench.common import add_workload_args, report, workload_from_args
+from pagedllm.bench.throughput import parallel_line, parallel_stats
 from pagedllm.bench.workloads import TEXT_PROMPTS
 
 
@@ -64,6 +65,7 @@ def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     else:
         prompts = w.prompts()[:1]
     _one(llm.llm_engine, prompts[0], 8, "warmup")
+    before = llm.llm_engine.executor.collective_stats()
     ttfts, per_token, num_tokens, decode_cpu, decode_tokens = [], [], 0, 0.0, 0
     for i in range(args.num_iters):
         for j, prompt in enumerate(prompts):
@@ -75,7 +77,10 @@ def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
             num_tokens += len(gaps) + 1
             decode_cpu, decode_tokens = decode_cpu + cpu, decode_tokens + len(gaps)
     spec = llm.llm_engine.stats.spec_total
+    parallel = parallel_stats(llm.llm_engine, before)
+    llm.llm_engine.close()
     return {
+        "parallel": parallel,
         "dtype": str(llm.llm_engine.config.torch_dtype).removeprefix("torch."),
         "activation_dtype": llm.llm_engine.config.activation_dtype,
         "ttft_ms": {"mean": 1e3 * statistics.mean(ttfts), "median": 1e3 * statistics.median(ttfts), "p99": 1e3 * _percentile(ttfts, 99)},
@@ -107,7 +112,7 @@ def _line(name: str, r: dict, iters: int) -> str:
     if r["spec_decode"]:
         s = r["spec_decode"]
         line += f"; drafts accepted {100 * s['acceptance_rate']:.1f}%, mean acceptance length {s['mean_acceptance_length']:.2f}"
-    return line
+    return line + parallel_line(r.get("parallel"))
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:

@@ -72,11 +72,33 @@ def run_pagedllm(w: Workload, engine_kwargs: dict) -> dict:
     prompts = [{"prompt_token_ids": p} for p in w.prompts()]
     llm = LLM(**engine_kwargs)
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    before = llm.llm_engine.executor.collective_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True))
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == w.output_len for o in outs), "every request must give output_len tokens"
-    return {"engine": "pagedllm", "num_preemptions": llm.llm_engine.num_preemptions_total, **_rates(w, elapsed)}
+    parallel = parallel_stats(llm.llm_engine, before)
+    llm.llm_engine.close()
+    return {"engine": "pagedllm", "num_preemptions": llm.llm_engine.num_preemptions_total, **_rates(w, elapsed),
+            **({"parallel": parallel} if parallel else {})}  # fmt: skip
+
+
+def parallel_stats(engine, before: tuple[int, float]) -> dict | None:
+    """Tensor / pipeline parallel runs: the sizes and the collectives' time per model step
+    since ``before`` (``Executor.collective_stats``); None for a one-process engine."""
+    config = engine.config
+    if config.world_size == 1:
+        return None
+    steps, seconds = (a - b for a, b in zip(engine.executor.collective_stats(), before))
+    return {"tensor_parallel_size": config.tensor_parallel_size, "pipeline_parallel_size": config.pipeline_parallel_size,
+            "steps": steps, "collective_ms_per_step": 1e3 * seconds / max(steps, 1)}  # fmt: skip
+
+
+def parallel_line(parallel: dict | None) -> str:
+    if not parallel:
+        return ""
+    return (f"\nTP={parallel['tensor_parallel_size']} PP={parallel['pipeline_parallel_size']}: all-reduce / gather "
+            f"{parallel['collective_ms_per_step']:.2f} ms per step (slowest rank, {parallel['steps']} steps)")
 
 
 def run_pagedllm_dp(w: Workload, engine_kwargs: dict) -> dict:
@@ -157,7 +179,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         f"pagedllm{dp} ({w.name}, {result['dtype']}, {result['activation_dtype']} activations): {ours['requests_per_s']:.2f} requests/s, "
         f"{ours['total_tokens_per_s']:.1f} total tokens/s, {ours['output_tokens_per_s']:.1f} output tokens/s "
         f"({ours['elapsed_s']:.1f} s)"
-    )
+    ) + parallel_line(ours.get("parallel"))
     for engine in dict.fromkeys(args.compare):
         gc.collect()
         python = (peer_setting(engine, args.peer_python) or [None])[-1]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from typing import Any
@@ -23,7 +24,12 @@ from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, beam_params_from
 from pagedllm.engine.best_of import BestOf, expand as expand_best_of, wants_best_of
 from pagedllm.engine.capacity import startup_report
-from pagedllm.engine.startup import KVCacheSizes, StartupTimes, kv_cache_sizes, load_draft_model, load_model
+from pagedllm.engine.startup import (
+    KVCacheSizes, LoadedModel, ModelInfo, StartupTimes, kv_cache_sizes, load_draft_model, load_model, load_model_info,
+)  # fmt: skip
+from pagedllm.executor.base import Executor, WorkerDeadError
+from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.request import Request, RequestStatus
 from pagedllm.engine.stats import StatsLogger, StepStats, spec_stats
 from pagedllm.kernels.ops import native_available
@@ -45,10 +51,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats_interval: float = 5.0):
         t0 = time.perf_counter()
         self.config = config
-        loaded = load_model(config)
-        self.source, self.arch, self.tokenizer = loaded.source, loaded.arch, loaded.tokenizer
-        self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
-        sizes = kv_cache_sizes(config, loaded.arch)
+        if config.world_size == 1:  # the model runs here (UniProcExecutor)
+            loaded = load_model(config)
+            info: LoadedModel | ModelInfo = loaded
+        else:  # worker processes hold the shards; this process needs only shapes and tokenizer
+            info = load_model_info(config)
+        self.source, self.arch, self.tokenizer = info.source, info.arch, info.tokenizer
+        self.eos_token_ids, self.max_model_len = info.eos_token_ids, info.max_model_len
+        sizes = kv_cache_sizes(config, info.arch)
         self.kv_cache_manager = KVCacheManager(
             sizes.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=sizes.num_swap_blocks,
             windows=sizes.layout.windows,
@@ -65,28 +75,42 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
-        times = loaded.times
-        draft = None
-        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
-            with times.phase("draft model"):
-                draft = load_draft_model(config, self.max_model_len, self.arch.vocab_size)
-        with times.phase("runner and KV pool"):
-            self.runner = ModelRunner(
-                loaded.model,
-                num_blocks=sizes.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                dtype=config.torch_dtype,
-                attention_backend=config.attention_backend,
-                seed=config.seed,
-                num_swap_blocks=sizes.num_swap_blocks,
-                swap_path=config.swap_path,
-                kv_cache_dtype=config.kv_cache_dtype,
-                speculative_config=config.speculative_config,
-                draft_model=draft,
-                lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
-            )
+        times = info.times
+        if config.world_size > 1:
+            from pagedllm.distributed.sharding import check_supported
+            from pagedllm.executor.multiproc import MultiprocExecutor
+
+            check_supported(info.arch, config.tensor_parallel_size, config.pipeline_parallel_size)
+            with times.phase("workers"):
+                self.executor: Executor = MultiprocExecutor(config, sizes.num_blocks, sizes.num_swap_blocks, self.max_model_len,
+                                                            load_model)  # fmt: skip
+            dense_copy = bool(self.executor.worker_reports[0]["dense_copy"])
+        else:
+            draft = None
+            if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+                with times.phase("draft model"):
+                    draft = load_draft_model(config, self.max_model_len, self.arch.vocab_size)
+            with times.phase("runner and KV pool"):
+                runner = ModelRunner(
+                    loaded.model,
+                    num_blocks=sizes.num_blocks,
+                    block_size=config.block_size,
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                    dtype=config.torch_dtype,
+                    attention_backend=config.attention_backend,
+                    seed=config.seed,
+                    num_swap_blocks=sizes.num_swap_blocks,
+                    swap_path=config.swap_path,
+                    kv_cache_dtype=config.kv_cache_dtype,
+                    speculative_config=config.speculative_config,
+                    draft_model=draft,
+                    lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
+                )
+            self.executor = UniProcExecutor(runner)
+            dense_copy = loaded.dense_copy
+        # The in-process runner (None with worker processes); tools and benchmarks reach the model through it.
+        self.runner: ModelRunner | None = self.executor.runner
         self.kv_connector = attach_kv_connector(config, self.source.path, self.scheduler, self.runner)
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
@@ -101,8 +125,11 @@ class LLMEngine:
         self.best_of = BestOf()
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
+        # Pipeline parallel: batches in flight, oldest first, and results collected early.
+        self._batch_queue: deque[SchedulerOutput] = deque()
+        self._drained: deque[tuple[SchedulerOutput, ModelRunnerOutput | None]] = deque()
         self._request_counter = itertools.count()
-        self._log_startup(sizes, time.perf_counter() - t0, times, loaded.dense_copy)
+        self._log_startup(sizes, time.perf_counter() - t0, times, dense_copy)
 
     def _log_startup(self, sizes: KVCacheSizes, seconds: float, times: StartupTimes, loaded_dense: bool) -> None:
         config, dtype = self.config, self.config.torch_dtype
@@ -111,7 +138,7 @@ class LLMEngine:
         if wide != dtype:
             logger.info("%s model: this CPU has no %s arithmetic, so its linears multiply the %s values in %s "
                         "(PAGEDLLM_BF16_MATMUL overrides)", dtype, dtype, dtype, wide)  # fmt: skip
-        kv_dtype = self.runner.kv_spec.name
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype).name
         resolved = {**config.to_dict(), "dtype": f"{config.dtype} -> {str(dtype).removeprefix('torch.')}",
                     "kv_cache_dtype": f"{config.kv_cache_dtype} -> {kv_dtype}",
                     "max_model_len": self.max_model_len}  # fmt: skip
@@ -120,7 +147,15 @@ class LLMEngine:
         # The same report as `pagedllm estimate` (engine/capacity.py), with this engine's choices.
         for line in startup_report(config, self.source, self.max_model_len, loaded_dense, native_available()).lines()[1:]:
             logger.info("%s", line)
-        lora = self.runner.lora
+        for report in self.executor.worker_reports if config.world_size > 1 else ():
+            logger.info("worker %d (tp rank %d, pp rank %d): %d query / %d KV heads, %d layers, weights %.1f MiB, "
+                        "RSS %.1f MiB, %d threads on cpus %s", report["rank"], report["tp_rank"], report["pp_rank"],
+                        report["num_heads"], report["num_kv_heads"], report["num_layers"], report["weight_bytes"] / 2**20,
+                        report["rss_bytes"] / 2**20, report["threads"], report["cpus"])  # fmt: skip
+        if config.world_size == 1:
+            report = self.executor.worker_reports[0]
+            logger.info("resident weights %.1f MiB, RSS %.1f MiB", report["weight_bytes"] / 2**20, report["rss_bytes"] / 2**20)
+        lora = self._lora
         if lora is not None:
             logger.info("LoRA: %d slots of rank <= %d (%.1f MiB preallocated), up to %d adapters loaded",
                         lora.max_loras, lora.max_lora_rank, lora.table.nbytes / (1 << 20), lora.max_cpu_loras)  # fmt: skip
@@ -215,19 +250,19 @@ class LLMEngine:
         cannot serve (LoRA off, bad path or files, rank above max_lora_rank, wrong shapes)."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.runner.lora is None:
+        if self._lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
-        self.runner.lora.add(lora_request)
+        self._lora.add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop a loaded adapter now, unless requests still use it: then it stays loaded for
         them, and the LRU drops it once it is no longer needed. True if dropped now."""
-        if self.runner.lora is None or any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+        if self._lora is None or any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
             return False
-        return self.runner.lora.remove(lora_int_id)
+        return self._lora.remove(lora_int_id)
 
     def list_loras(self) -> list[int]:
-        return self.runner.lora.loaded_ids() if self.runner.lora is not None else []
+        return self._lora.loaded_ids() if self._lora is not None else []
 
     def lora_requests_info(self) -> tuple[dict[str, int], dict[str, int]]:
         """Requests per adapter name: (running, waiting)."""
@@ -265,7 +300,8 @@ class LLMEngine:
             self.output_processor.mark(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.structured.has_held or self.beams.has_unfinished()
+        return (self.scheduler.has_unfinished_requests() or self.structured.has_held or self.beams.has_unfinished()
+                or bool(self._batch_queue) or bool(self._drained))  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes (running requests keep their blocks)."""
@@ -274,16 +310,94 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduler + model step; return outputs per the requests' output kinds."""
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
         self._admit_compiled()
         sched_out = self.scheduler.schedule()
         self.structured.forget(sched_out.finished_req_ids)
         if sched_out.is_empty:
-            self.runner.update_states(sched_out)  # forget ended requests, apply pending moves
+            self._update_states(sched_out)  # forget ended requests, apply pending moves
             return self.output_processor.make_outputs()
         self.faults.after_schedule(self._prompts(sched_out))
-        self.runner.update_states(sched_out)
+        self._update_states(sched_out)
         sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
         result = self._execute(sched_out)
+        return self._finish_step(sched_out, result)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallel: keep up to one batch per stage in flight, so stage 1 runs batch A
+        while stage 0 runs batch B. A call submits one more batch when there is room and
+        something to run; otherwise it waits for the oldest batch and finishes it as ``step``
+        does. The running requests form one cohort per batch (``max_batch_seqs``); a request
+        in flight is neither scheduled again nor preempted until its result is back. A batch
+        that fails on every rank drains the later ones, then is re-run alone to isolate the
+        faulty request (``_execute``)."""
+        if self._drained:  # results collected while a failed batch was isolated: in order
+            sched_out, result = self._drained.popleft()
+            if result is None:
+                result = self._execute(sched_out)
+            return self._finish_step(*self._still_live(sched_out, result))
+        queue, depth = self._batch_queue, self.executor.max_concurrent_batches
+        if len(queue) < depth:
+            self._admit_compiled()
+            in_flight = {s.req_id for batch in queue for s in batch.scheduled}
+            unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+            sched_out = self.scheduler.schedule(in_flight, max(1, -(-unfinished // depth)))
+            self.structured.forget(sched_out.finished_req_ids)
+            self._update_states(sched_out)
+            if not sched_out.is_empty:
+                self.faults.after_schedule(self._prompts(sched_out))
+                sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
+                try:
+                    self.faults.before_model_step(self._prompts(sched_out))
+                    self.executor.submit(sched_out)
+                except WorkerDeadError as e:
+                    raise EngineDeadError(str(e)) from e
+                except Exception:  # (an injected fault) isolate it with nothing else in flight
+                    self._drain()
+                    self._drained.append((sched_out, None))
+                    return self.output_processor.make_outputs()
+                queue.append(sched_out)
+                if len(queue) < depth:
+                    return self.output_processor.make_outputs()
+        if not queue:
+            return self.output_processor.make_outputs()
+        sched_out = queue.popleft()
+        try:
+            result = self.executor.collect()
+        except WorkerDeadError as e:
+            raise EngineDeadError(str(e)) from e
+        except Exception:  # every rank failed it: isolate it once nothing else is in flight
+            self._drain()
+            result = self._execute(sched_out)
+        return self._finish_step(*self._still_live(sched_out, result))
+
+    def _drain(self) -> None:
+        """Collect every batch in flight into ``_drained`` (None for one that failed)."""
+        while self._batch_queue:
+            later = self._batch_queue.popleft()
+            try:
+                self._drained.append((later, self.executor.collect()))
+            except WorkerDeadError as e:
+                raise EngineDeadError(str(e)) from e
+            except Exception:
+                self._drained.append((later, None))
+
+    def _still_live(self, out: SchedulerOutput, result: ModelRunnerOutput) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Drop the requests that ended (aborted) while their batch was in flight."""
+        keep = [i for i, s in enumerate(out.scheduled) if s.req_id in self.scheduler.requests]
+        if len(keep) == len(out.scheduled):
+            return out, result
+        out.scheduled = [out.scheduled[i] for i in keep]
+        drafts = result.spec_token_ids
+        return out, ModelRunnerOutput(
+            req_ids=[result.req_ids[i] for i in keep], sampled=[result.sampled[i] for i in keep],
+            logprobs=[result.logprobs[i] for i in keep], prompt_logprobs=result.prompt_logprobs,
+            spec_token_ids=[drafts[i] for i in keep] if drafts else drafts,
+        )  # fmt: skip
+
+    def _finish_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Everything after the model step: the scheduler, stop checks, outputs and stats."""
         # The scheduled requests, looked up before update_from_output retires finished ones.
         scheduled = [self.scheduler.requests[s.req_id] for s in sched_out.scheduled]
         # Prompt tokens run for the first time, once per parent request (as its usage counts
@@ -340,11 +454,17 @@ class LLMEngine:
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
             spec=spec,
             kv_connector=self.kv_connector.take_stats() if self.kv_connector is not None else None,
-            lora=self.lora_requests_info() if self.runner.lora is not None else None,
+            lora=self.lora_requests_info() if self._lora is not None else None,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
         return self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        try:
+            self.executor.update_states(out)
+        except WorkerDeadError as e:
+            raise EngineDeadError(str(e)) from e
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is now compiled (or end them if it failed); when
@@ -378,7 +498,9 @@ class LLMEngine:
         """
         try:
             self.faults.before_model_step(self._prompts(out))
-            return self.runner.execute(out)
+            return self.executor.execute(out)
+        except WorkerDeadError as e:  # nothing to isolate: no step can run any more
+            raise EngineDeadError(str(e)) from e
         except Exception as first_error:
             logger.warning("engine step failed (%s: %s); isolating the request(s) it fails for",
                            type(first_error).__name__, first_error)
@@ -392,7 +514,9 @@ class LLMEngine:
                                    kv_connector_metadata=out.kv_connector_metadata)  # fmt: skip
             try:
                 self.faults.before_model_step(self._prompts(part))
-                res = self.runner.execute(part)
+                res = self.executor.execute(part)
+            except WorkerDeadError as e:
+                raise EngineDeadError(str(e)) from e
             except Exception as e:
                 if len(indices) == 1:
                     failed[indices[0]] = e
@@ -427,10 +551,16 @@ class LLMEngine:
             spec_token_ids=[results[i][2] for i in keep],
         )
 
+    @property
+    def _lora(self):
+        """The in-process runner's LoRA manager (LoRA is refused with worker processes)."""
+        return self.runner.lora if self.runner is not None else None
+
     def close(self) -> None:
-        """Finish background work (the KV connector's queued saves)."""
+        """Finish background work (the KV connector's queued saves) and stop the workers."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        self.executor.shutdown()
 
     @property
     def num_preemptions_total(self) -> int:

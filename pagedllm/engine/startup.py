@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -73,12 +73,23 @@ class KVCacheSizes:
     layout: KVCacheLayout
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """Weights (dense, plus GGUF blocks / native panels where they serve), tokenizer, EOS ids."""
+def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[ModelArch, dict]] | None = None,
+               tokenizer: bool = True, trim: Callable[[torch.nn.Module], None] | None = None) -> LoadedModel:  # fmt: skip
+    """Weights (dense, plus GGUF blocks / native panels where they serve), tokenizer, EOS ids.
+
+    ``shard``: a worker's cut of the loaded state dict (distributed/sharding.py): the model is
+    built from the slice only, so the rank never holds (or converts) the others' weights; the
+    returned ``arch`` stays the whole model's, ``model.arch`` is the shard's. ``trim``: drops
+    the modules the rank never runs (a pipeline stage's embedding or LM head) once the model
+    is built, before its GGUF blocks are gathered into one buffer.
+    """
     times = StartupTimes()
     with times.phase("weights"):
         source = resolve_model(config.model)
         arch, state = load_weights(source, config.quantization)
+    model_arch = arch
+    if shard is not None:
+        model_arch, state = shard(arch, state)
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
@@ -95,7 +106,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                     packed[name] = (weight.qtype, weight.data)
                     state[name] = weight.dequantize()
     with times.phase("model"):
-        model = model_class(arch).from_hf_state_dict(arch, state, dtype, max_model_len)
+        model = model_class(arch).from_hf_state_dict(model_arch, state, dtype, max_model_len)
         del state
     with times.phase("panels"):
         if config.packed_weights and packed and native_available():
@@ -106,6 +117,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 logger.info("packed GGUF weights serve float32 models only; %s uses dense weights", dtype)
         del packed
         n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
+        if trim is not None:
+            trim(model)
         moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer
     if moved:
         logger.info("GGUF blocks for small steps: %.1f MiB in one huge-page buffer, in layer order", moved / (1 << 20))
@@ -114,12 +127,46 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.activation_dtype == "int8":  # the opt-in fast mode; the layers it cannot take stay as above
         with times.phase("int8 panels"):
             log_int8_report(int8_activations.convert_model(model))
+    if not tokenizer:
+        return LoadedModel(source, arch, model, None, frozenset(arch.eos_token_ids), max_model_len, times, placement.dense)
     with times.phase("tokenizer"):
-        tokenizer = load_tokenizer(source)
+        tok, eos = load_tokenizer_and_eos(source, arch)
+    return LoadedModel(source, arch, model, tok, eos, max_model_len, times, placement.dense)
+
+
+def load_tokenizer_and_eos(source: ModelSource, arch: ModelArch) -> tuple[Any | None, frozenset[int]]:
+    tokenizer = load_tokenizer(source)
     eos = set(arch.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return LoadedModel(source, arch, model, tokenizer, frozenset(eos), max_model_len, times, placement.dense)
+    return tokenizer, frozenset(eos)
+
+
+@dataclass
+class ModelInfo:
+    """What the engine core needs of a model it does not run itself (the workers do)."""
+
+    source: ModelSource
+    arch: ModelArch
+    tokenizer: Any | None
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    times: StartupTimes
+
+
+def load_model_info(config: EngineConfig) -> ModelInfo:
+    """Architecture (from the file's headers: no weights are read), tokenizer and EOS ids."""
+    from pagedllm.engine.capacity import read_tensors
+
+    times = StartupTimes()
+    with times.phase("tokenizer"):
+        source = resolve_model(config.model)
+        arch, _ = read_tensors(source)
+        tokenizer, eos = load_tokenizer_and_eos(source, arch)
+    max_model_len = config.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
+    return ModelInfo(source, arch, tokenizer, eos, max_model_len, times)
 
 
 def load_draft_model(config: EngineConfig, max_model_len: int, vocab_size: int) -> LlamaForCausalLM:

@@ -48,6 +48,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=defaults["max_loras"], help="most distinct LoRA adapters in one step, one preallocated slot each (default: %(default)s)")
     g.add_argument("--max-lora-rank", type=int, default=defaults["max_lora_rank"], help="highest adapter rank the slots hold; a higher-rank adapter is refused (default: %(default)s)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept loaded (an LRU; default: --max-loras)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor parallel ranks: attention heads (by KV group), MLP width and vocabulary split over this many worker processes, one all-reduce per attention and per MLP (docs/parallelism.md) (default: %(default)s)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages: the layers split over this many worker processes, hidden states passed on point-to-point (default: %(default)s)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the tensor x pipeline ranks are spread over (default: %(default)s)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index; nodes >= 1 run with --headless (default: %(default)s)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address: torch.distributed rendezvous and the engine's control channel (default: %(default)s)")
+    g.add_argument("--master-port", type=int, default=None, help="rendezvous port on --master-addr; the control channel uses the next one (default: a free port; required with --nnodes > 1)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=defaults["data_parallel_size"], help="engine replicas, one process each (own model copy and KV pool: --kv-cache-space is per replica), behind one server that routes by load and prefix affinity; each gets its share of the cores (docs/parallelism.md) (default: %(default)s)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
@@ -58,9 +64,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.headless:  # a worker node: its ranks only, no engine, no HTTP server
+        from pagedllm.executor.multiproc import run_headless
+        from pagedllm.logger import configure_logging
+
+        configure_logging()
+        return run_headless(engine_config_from_args(args))
     from pagedllm.entrypoints.openai.api_server import run_server
 
-    return run_server(args, engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.node_rank != 0:
+        raise ValueError("node_rank >= 1 runs workers only: add --headless")
+    return run_server(args, config)
 
 
 def _demo(args: argparse.Namespace) -> int:

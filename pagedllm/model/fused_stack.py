@@ -47,6 +47,8 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | 
     """Why this model and cache cannot run as one native call (None: they can). The per-step
     conditions (token count, backend, ``torch_only``) are checked by ``FusedDecoderStack.get``."""
     arch = model.arch
+    if getattr(model, "tp_size", 1) > 1:  # set by distributed/tensor_parallel.install
+        return "tensor parallel: the native stack has no all-reduce between its layers"
     if arch.num_experts:
         return f"{arch.architecture} has mixture-of-experts layers; the native stack runs dense MLPs only"
     if load_kernels() is None:

@@ -136,6 +136,9 @@ class ModelRunner:
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
         self.kv_connector: WorkerConnector | None = None  # set by the engine (kv_transfer_config)
+        # False on a pipeline stage before the last: its model returns no hidden states, it
+        # samples nothing and learns the step's tokens through ``accept`` (executor/worker.py).
+        self.samples = True
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the KV pool indexed by block (what a block's bytes are)."""
@@ -300,6 +303,9 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.context.mapping = None
+        if not self.samples:  # an earlier pipeline stage: the last one samples
+            return ModelRunnerOutput(req_ids=[s.req_id for s in sched], sampled=[[] for _ in sched],
+                                     logprobs=[[] for _ in sched])  # fmt: skip
         if self.kv_connector is not None:  # the step's K/V is written: copy newly full blocks out
             self.kv_connector.save(out.kv_connector_metadata, [s.req_id for s in sched], self.block_tensors())
 
@@ -345,6 +351,14 @@ class ModelRunner:
             result.spec_token_ids = self.proposer.propose(states, [bool(t) for t in result.sampled], accepted,
                                                           last_hidden, features, [len(s.spec_token_ids) for s in sched])  # fmt: skip
         return result
+
+    def accept(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """The tokens another rank sampled this step (a pipeline stage before the last)."""
+        for req_id, tokens in zip(req_ids, sampled):
+            state = self.requests.get(req_id)
+            if state is not None:
+                for tok in tokens:
+                    state.append(tok)
 
     def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:
         """The native kernels trust their indices: check the step's once, here (a few numpy

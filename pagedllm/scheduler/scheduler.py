@@ -98,8 +98,13 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 else n
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset[str] | set[str] = frozenset(), max_batch_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. Pipeline parallel engines keep several batches in flight: requests in
+        ``in_flight`` (scheduled, results not back yet) are neither scheduled again nor
+        preempted, and ``max_batch_seqs`` caps this batch's requests so the running ones form
+        one cohort per batch in flight. Both default to the one-batch behaviour."""
         out = SchedulerOutput()
+        cap = max_batch_seqs if max_batch_seqs is not None else self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         policy = self.config.scheduling_policy
         now = time.monotonic()
@@ -112,14 +117,20 @@ class Scheduler:
 
         # 1. Running requests, oldest first, each with the tokens it lacks.
         for req in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or len(out.scheduled) >= cap:
                 break
             if req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):  # a victim earlier in this loop
+                continue
+            if req.request_id in in_flight:
                 continue
             n = self._chunk(req, req.num_computed_tokens, budget)
             spec = self._spec_tokens(req, n, budget - n)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n + len(spec)):
-                victim = pick_victim(self.running, policy)
+                victim = self._victim(policy, in_flight)
+                if victim is None or (in_flight and victim is req):
+                    # Only requests in flight could give blocks: wait for them to come back
+                    # rather than throw away this request's computed KV.
+                    break
                 budget += self._preempt(victim, out)
                 if victim is req:
                     break
@@ -131,13 +142,13 @@ class Scheduler:
         # whose LoRA adapter would exceed max_loras waits, without holding up those behind it.
         loras = self._running_loras()
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs"):
+        while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs") and len(out.scheduled) < cap:
             req = self.waiting.peek()
             if loras is not None and req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.config.max_loras:
                 skipped.append(self.waiting.pop())
                 continue
             if len(self.running) >= self.config.max_num_seqs:
-                refund = self._preempt_for(req, out)
+                refund = self._preempt_for(req, out, in_flight)
                 if refund is None:
                     break
                 budget += refund
@@ -156,14 +167,14 @@ class Scheduler:
             num_external = self.kv_connector.lookup(req, num_computed, self.kv) if starting else 0
             n = self._chunk(req, num_computed + num_external, budget)
             if swapped and not self.kv.swap_in(req.request_id, num_computed + n):
-                refund = self._preempt_for(req, out)
+                refund = self._preempt_for(req, out, in_flight)
                 if refund is None:
                     break
                 budget += refund
                 continue
             if not self.kv.allocate_slots(req.request_id, num_computed, num_external + n, hits):
                 assert not swapped  # swap_in reserved room for these tokens
-                refund = self._preempt_for(req, out)
+                refund = self._preempt_for(req, out, in_flight)
                 if refund is None:
                     break
                 budget += refund
@@ -238,15 +249,20 @@ class Scheduler:
             len(out.swap_in),
         )
 
-    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
+    def _victim(self, policy: str, in_flight: frozenset[str] | set[str]) -> Request | None:
+        """The running request to preempt, never one in flight (None when all are)."""
+        running = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
+        return pick_victim(running, policy) if running else None
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput, in_flight: frozenset[str] | set[str] = frozenset()) -> int | None:
         """Priority policy: preempt the lowest-priority running request if ``req`` outranks it.
 
         Returns the budget given back, or None when nobody may be preempted.
         """
         if self.config.scheduling_policy != "priority" or not self.running:
             return None
-        victim = pick_victim(self.running, "priority")
-        if not outranks(req, victim):
+        victim = self._victim("priority", in_flight)
+        if victim is None or not outranks(req, victim):
             return None
         return self._preempt(victim, out)
 

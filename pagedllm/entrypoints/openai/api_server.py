@@ -360,6 +360,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true", help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="how to find tool calls in the model's text for tool_choice auto")
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="LoRA adapters (PEFT directories) served under these names, selected by a request's model field; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'; needs --enable-lora. With PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1, POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
+    g.add_argument("--headless", action="store_true", help="multi-node: run only this node's workers (ranks node_rank x world/nnodes onwards), which connect to the engine on --master-addr; no HTTP server (docs/parallelism.md)")
     g.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats log lines (default: %(default)s)")
 
 

@@ -1,0 +1,212 @@
+"""Tensor and pipeline parallel on tiny random models: greedy tokens equal the one-process
+engine's, GQA with uneven head splits, a dead worker ends the engine instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.throughput import parallel_line, parallel_stats
+from pagedllm.engine.errors import EngineDeadError
+from tests.conftest import save_tiny_model
+
+ENGINE = dict(num_kv_blocks=64, log_stats_interval=1e9, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def uneven_gqa(tmp_path_factory):
+    """6 query heads in 3 KV groups of 2: at TP=2, rank 0 gets KV heads {0, 1}, rank 1 {2}."""
+    return save_tiny_model(tmp_path_factory.mktemp("gqa"), hidden_size=96, num_attention_heads=6,
+                           num_key_value_heads=3, intermediate_size=160, seed=2)  # fmt: skip
+
+
+def _prompts(n=(1, 5, 17, 40)) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(3, 256, (k,), generator=g).tolist()} for k in n]
+
+
+def _greedy(llm: LLM, prompts, max_tokens: int = 8) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def test_config_refuses_what_does_not_shard(uneven_gqa):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(str(uneven_gqa), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(uneven_gqa), tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(str(uneven_gqa), tensor_parallel_size=2, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # 3 KV heads over 4 ranks
+        LLM(str(uneven_gqa), tensor_parallel_size=4, **ENGINE)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        LLM(str(uneven_gqa), pipeline_parallel_size=3, **ENGINE)  # 2 layers
+
+
+def test_one_process_executor_adds_no_call(uneven_gqa):
+    """The default UniProcExecutor hands out the runner's own bound methods."""
+    engine = LLM(str(uneven_gqa), **ENGINE).llm_engine
+    assert engine.executor.execute == engine.runner.execute
+    assert engine.executor.update_states == engine.runner.update_states
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_greedy_tokens_equal_one_process(uneven_gqa, tp, pp):
+    prompts = _prompts()
+    ref = _greedy(LLM(str(uneven_gqa), **ENGINE), prompts)
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        assert llm.llm_engine.runner is None and len(llm.llm_engine.executor.worker_reports) == tp * pp
+        assert _greedy(llm, prompts) == ref
+        steps, seconds = llm.llm_engine.executor.collective_stats()  # what the benchmarks print
+        assert steps > 0 and (seconds > 0) == (tp > 1)
+        line = parallel_line(parallel_stats(llm.llm_engine, (0, 0.0)))
+        assert f"TP={tp} PP={pp}" in line and "ms per step" in line
+    finally:
+        llm.llm_engine.close()
+
+
+def test_mqa_replicates_the_kv_head(tmp_path):
+    path = save_tiny_model(tmp_path / "mqa", num_attention_heads=4, num_key_value_heads=1, seed=4)
+    prompts = _prompts((3, 20))
+    ref = _greedy(LLM(str(path), **ENGINE), prompts)
+    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [r["num_kv_heads"] for r in llm.llm_engine.executor.worker_reports] == [1, 1]
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
+
+
+def test_a_dead_worker_ends_the_engine(uneven_gqa):
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.executor
+    try:
+        _greedy(llm, _prompts((4,)), max_tokens=2)
+        os.kill(executor.worker_pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker"):
+            _greedy(llm, _prompts(), max_tokens=50)
+        assert time.monotonic() - start < 30
+        with pytest.raises(EngineDeadError):  # and it stays dead
+            _greedy(llm, _prompts((2,)), max_tokens=2)
+        time.sleep(0.5)
+        assert not any(p.is_alive() for p in executor.procs)  # the survivor was stopped too
+    finally:
+        llm.llm_engine.close()
+
+
+def test_a_request_fault_is_isolated_over_workers(uneven_gqa):
+    """The engine re-runs a failing step over halves of its requests; with worker processes
+    every re-run goes to all ranks, which stay in step: only the faulty request fails."""
+    from pagedllm.engine.faults import FaultInjector
+
+    mark = 77
+    good = [{"prompt_token_ids": [3, 4, 5, 6]}, {"prompt_token_ids": [9, 8, 7] * 5}]
+    bad = {"prompt_token_ids": [10, mark, 11]}
+    ref = _greedy(LLM(str(uneven_gqa), **ENGINE), good)
+    for tp, pp in ((2, 1), (1, 2)):
+        llm = LLM(str(uneven_gqa), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+        try:
+            llm.llm_engine.faults = FaultInjector(f"request_token={mark}")
+            sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            outs = llm.generate([good[0], bad, good[1]], sp, use_tqdm=False)
+            assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == ref
+            assert outs[1].outputs[0].finish_reason == "error"
+            assert _greedy(llm, good) == ref  # and the workers carry on
+        finally:
+            llm.llm_engine.close()
+
+
+def test_pipeline_keeps_one_batch_per_stage_in_flight(uneven_gqa):
+    """PP=2: two disjoint cohorts alternate, one batch per stage; aborting a request whose
+    batch is in flight drops its result; the greedy tokens are the one-process engine's."""
+    prompts = _prompts((1, 5, 17, 40, 9, 3))
+    ref = _greedy(LLM(str(uneven_gqa), **ENGINE), prompts, max_tokens=12)
+    llm = LLM(str(uneven_gqa), pipeline_parallel_size=2, **ENGINE)
+    engine = llm.llm_engine
+    submitted: list[set[str]] = []
+    depth = []
+    submit = engine.executor.submit
+
+    def spy(out):
+        in_flight = {s.req_id for b in engine._batch_queue for s in b.scheduled}
+        submitted.append(in_flight & {s.req_id for s in out.scheduled})  # must stay empty
+        depth.append(len(engine._batch_queue) + 1)
+        submit(out)
+
+    engine.executor.submit = spy
+    try:
+        assert engine.executor.max_concurrent_batches == 2
+        assert _greedy(llm, prompts, max_tokens=12) == ref
+        assert max(depth) == 2
+        assert not any(submitted)  # batches in flight together are disjoint
+        # Abort a request while its batch is in flight; the others are unharmed.
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        ids = [engine.add_request(p, sp) for p in prompts]
+        engine.step()
+        in_flight = {s.req_id for b in engine._batch_queue for s in b.scheduled}
+        victim = next(iter(in_flight))
+        done = {out.request_id: out for out in engine.abort_request(victim)}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out
+        assert done[victim].outputs[0].finish_reason == "abort"
+        assert [done[i].outputs[0].token_ids for i in ids if i != victim] == [r for i, r in zip(ids, ref) if i != victim]
+        assert engine.kv_cache_manager.usage() == 0.0
+        assert _greedy(llm, prompts, max_tokens=12) == ref  # no stale answers left in the pipes
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("variant, model_type, overrides", [
+    ("qwen2-bias", "qwen2", {}),
+    ("qwen3-qk-norm", "qwen3", {"head_dim": 16}),
+    ("llama-tied", "llama", {"tie_word_embeddings": True, "vocab_size": 257}),  # uneven vocabulary split (129 + 128)
+    ("gemma3", "gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 24}),
+])  # fmt: skip
+def test_tensor_parallel_architectures(tmp_path, variant, model_type, overrides):
+    path = save_tiny_model(tmp_path / variant, model_type, seed=5, **overrides)
+    prompts = _prompts((3, 30))
+    ref = _greedy(LLM(str(path), **ENGINE), prompts)
+    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
+
+
+def test_ranks_pinned_to_their_own_cores(uneven_gqa, monkeypatch):
+    """PAGEDLLM_PIN_THREADS=1: each rank gets its share of the cores, pinned, one thread per core."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.setenv("PAGEDLLM_PIN_THREADS", "1")
+    monkeypatch.delenv("PAGEDLLM_NUM_THREADS", raising=False)
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, **ENGINE)
+    try:
+        reports = llm.llm_engine.executor.worker_reports
+        cpus = [set(r["cpus"]) for r in reports]
+        assert not (cpus[0] & cpus[1]) and all(r["threads"] == len(r["cpus"]) for r in reports)
+    finally:
+        llm.llm_engine.close()
+
+
+def test_a_fault_on_one_rank_ends_the_engine_without_hanging(uneven_gqa, monkeypatch):
+    """Rank 0 alone fails a step; rank 1 waits in its all-reduce for rank 0: the engine gives
+    it 10 s (STUCK_SECONDS), then stops, instead of waiting on a collective forever."""
+    mark = 77
+    monkeypatch.setenv("PAGEDLLM_WORKER_FAULT", f"0:{mark}")
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert len(_greedy(llm, _prompts((4,)), max_tokens=2)) == 1  # no mark: runs
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="did not answer|workers only"):
+            _greedy(llm, [{"prompt_token_ids": [10, mark, 11]}], max_tokens=2)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.llm_engine.close()
