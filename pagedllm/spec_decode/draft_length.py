@@ -10,8 +10,8 @@ most tokens per unit of cost; when no k beats plain decoding, it drafts nothing.
 ``a`` is estimated per request from its own verified drafts: each draft adds its accepted tokens
 as successes and, if it stopped early, one failure (the maximum-likelihood estimate of a
 geometric run), both decayed so the estimate follows the text (a passage to copy, then free
-prose). A request that drafts nothing probes with one token after 1, 2, 4, ... 16 steps, so it
-notices when drafting starts paying again.
+prose). A request that drafts nothing probes with one token now, then after 4, 8, 16 and every
+32 steps, so it notices when drafting starts paying again.
 
 Everything here depends only on the request's own tokens, never on timing or the batch, so the
 same request drafts the same way on every run.
@@ -29,7 +29,8 @@ from torch import nn
 # a whole 4-token verifying step costs 1.40x a plain one.
 VERIFY_COST_PER_TOKEN = 0.13
 DECAY = 0.8  # weight of the older history at each verified draft
-MAX_PROBE_WAIT = 16
+FIRST_PROBE_WAIT = 4  # steps between the first probes of a request that drafts nothing ...
+MAX_PROBE_WAIT = 32  # ... doubling up to this: a wasted probe then costs ~1% of the steps
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ class DraftLengthPolicy:
         s.spec_misses = DECAY * s.spec_misses + (1 if accepted < drafted else 0)
         if self.adaptive:
             return
-        if accepted == 0:  # fixed length: wait 1, 2, 4, ... steps after each wholly rejected draft
-            s.spec_skip, s.spec_backoff = s.spec_backoff, min(MAX_PROBE_WAIT, 2 * s.spec_backoff or 1)
+        if accepted == 0:  # fixed length: wait 1, 2, 4, ... 16 steps after each wholly rejected draft
+            s.spec_skip, s.spec_backoff = s.spec_backoff, min(16, 2 * s.spec_backoff or 1)
         else:
             s.spec_skip = s.spec_backoff = 0
 
@@ -97,8 +98,8 @@ class DraftLengthPolicy:
         if k > 0:
             s.spec_backoff = 0
             return k
-        # Not worth it now: probe with one token, then wait 1, 2, 4, ... steps before the next.
-        s.spec_skip, s.spec_backoff = s.spec_backoff, min(MAX_PROBE_WAIT, 2 * s.spec_backoff or 1)
+        # Not worth it now: probe with one token, then wait 4, 8, ... 32 steps before the next.
+        s.spec_skip, s.spec_backoff = s.spec_backoff, min(MAX_PROBE_WAIT, 2 * s.spec_backoff or FIRST_PROBE_WAIT)
         return 1
 
 
