@@ -11,6 +11,13 @@ Tensor parallel (tp ranks of one pipeline stage):
   ``tp / num_kv_heads`` ranks, which split its group's query heads.
 - q/k/v and gate/up are column parallel (the rank's output rows: free for GGUF blocks too);
   o_proj and down_proj are row parallel (the rank's input columns; one all-reduce after each).
+  Phi-3's fused ``qkv_proj`` ([q; k; v] rows) and ``gate_up_proj`` ([gate; up] rows) are cut
+  part by part and the rank's rows of each part concatenated in the same order, so the
+  rank's fused weight is what the unfused cut would have fused.
+- mixture of experts (Qwen3-MoE): the router is replicated (every rank routes the same
+  tokens to the same experts); each expert's gate/up keeps the rank's slice of the expert
+  width and its down_proj the same input columns, so a rank's block output is a partial sum,
+  all-reduced once per layer (``tensor_parallel.install``).
   GGUF blocks run along the input dimension, so a row-parallel cut must fall on a block
   boundary (32 weights, 256 for K-quants): the MLP width is cut on such boundaries, and an
   attention cut that is not aligned falls back to the dequantized (fp32) weight.
@@ -33,7 +40,7 @@ import torch
 
 from pagedllm.kernels.gguf_ops import GGUF_TYPES
 from pagedllm.model.arch import ModelArch
-from pagedllm.quantization.weights import QuantizedWeight, dequantize, segments
+from pagedllm.quantization.weights import QuantizedWeight, cat_rows, dequantize, segments
 
 logger = logging.getLogger("pagedllm.distributed")
 
@@ -106,10 +113,8 @@ def vocab_range(vocab_size: int, tp_rank: int, tp: int) -> tuple[int, int]:
 def check_supported(arch: ModelArch, tp: int, pp: int) -> None:
     """Refuse what the sharding does not cover, naming the field."""
     if tp > 1:
-        if arch.num_experts:
-            raise ValueError(f"tensor_parallel_size > 1 does not support mixture-of-experts models ({arch.architecture}) yet")
-        if arch.architecture == "phi3":
-            raise ValueError("tensor_parallel_size > 1 does not support phi3 (fused q/k/v and gate/up weights) yet")
+        if arch.num_experts and arch.architecture != "qwen3_moe":
+            raise ValueError(f"tensor_parallel_size > 1 supports the qwen3_moe mixture of experts, not {arch.architecture}")
         head_shards(arch.num_heads, arch.num_kv_heads, tp)
     if pp > 1:
         if arch.architecture not in ("llama", "mistral", "qwen2", "qwen3") or arch.sliding_window is not None:
@@ -158,7 +163,27 @@ def _row_align(w: Any) -> int:
     return max(GGUF_TYPES[s.qtype][1] for s in segments(w))
 
 
+def _fused_rows(w: Any, parts: list[int], cuts: list[tuple[int, int]]) -> Any:
+    """The rows [a, b) of each part of a weight fused by rows (part sizes ``parts``, cut
+    ``cuts``), concatenated in the parts' order: Phi-3's [q; k; v] and [gate; up]."""
+    out, offset = [], 0
+    for size, (a, b) in zip(parts, cuts):
+        out.append(_rows(w, offset + a, offset + b))
+        offset += size
+    return cat_rows(out, merge=False)
+
+
+def _width_cut(width: int, down: Any, tp_rank: int, tp: int) -> tuple[int, int]:
+    """The rank's [start, end) of an MLP width, on the row-parallel ``down`` weight's block
+    boundaries when they divide it evenly (``_cols`` dequantizes otherwise)."""
+    align = _row_align(down) if down is not None else 1
+    if width % (align * tp):
+        align = 1
+    return split_even(width, tp, align)[tp_rank]
+
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def shard_state(
@@ -173,12 +198,14 @@ def shard_state(
     heads = head_shards(arch.num_heads, arch.num_kv_heads, tp)[tp_rank]
     first, last = layer_ranges(arch.num_layers, pp)[pp_rank]
     hd = arch.head_dim
-    inter = None
+    inter = expert = None
     if tp > 1:
-        down = state.get("model.layers.0.mlp.down_proj.weight")
-        align = _row_align(down) if down is not None else 1
-        inter = split_even(arch.intermediate_size, tp, align)[tp_rank] if arch.intermediate_size % (align * tp) == 0 \
-            else split_even(arch.intermediate_size, tp)[tp_rank]  # fmt: skip
+        dense_down = next((w for n, w in state.items() if n.endswith(".mlp.down_proj.weight")), None)
+        inter = _width_cut(arch.intermediate_size, dense_down, tp_rank, tp)
+        if arch.num_experts:
+            expert_down = next((w for n, w in state.items() if _EXPERT.match(n.split(".", 3)[-1])
+                                and n.endswith("down_proj.weight")), None)  # fmt: skip
+            expert = _width_cut(arch.moe_intermediate_size, expert_down, tp_rank, tp)
     v0, v1 = vocab_range(arch.vocab_size, tp_rank, tp)
     out: dict[str, Any] = {}
     for name, w in state.items():
@@ -192,7 +219,15 @@ def shard_state(
         if not first <= layer < last:
             continue
         if tp > 1:
-            if rest.startswith("self_attn.q_proj."):
+            if rest.startswith("self_attn.qkv_proj."):  # Phi-3: [q; k; v]
+                q_size, kv_size = arch.num_heads * hd, arch.num_kv_heads * hd
+                kv = (heads.kv_start * hd, heads.kv_end * hd)
+                w = _fused_rows(w, [q_size, kv_size, kv_size], [(heads.q_start * hd, heads.q_end * hd), kv, kv])
+            elif rest == "mlp.gate_up_proj.weight":  # Phi-3: [gate; up]
+                w = _fused_rows(w, [arch.intermediate_size] * 2, [inter] * 2)
+            elif rest.startswith("mlp.experts."):
+                w = _shard_expert(rest, w, arch.moe_intermediate_size, expert, name)
+            elif rest.startswith("self_attn.q_proj."):
                 w = _rows(w, heads.q_start * hd, heads.q_end * hd)
             elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
                 w = _rows(w, heads.kv_start * hd, heads.kv_end * hd)
@@ -211,8 +246,24 @@ def shard_state(
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         intermediate_size=(inter[1] - inter[0]) if inter is not None else arch.intermediate_size,
+        moe_intermediate_size=(expert[1] - expert[0]) if expert is not None else arch.moe_intermediate_size,
         vocab_size=v1 - v0,
         num_layers=last - first,
         layer_types=layer_types,
     )  # head_dim (and so the attention scale) stays the model's
     return local, out
+
+
+def _shard_expert(rest: str, w: Any, width: int, cut: tuple[int, int], name: str) -> Any:
+    """One expert weight's rank slice: gate/up rows (column parallel) and down columns (row
+    parallel) of the expert width; transformers 5's stacked 3-D ``gate_up_proj`` [E, 2I, H]
+    and ``down_proj`` [E, H, I] are cut the same way along their expert-width axis."""
+    a, b = cut
+    if rest == "mlp.experts.gate_up_proj":
+        return torch.cat([w[:, a:b], w[:, width + a : width + b]], dim=1)
+    if rest == "mlp.experts.down_proj":
+        return w[:, :, a:b].contiguous()
+    m = _EXPERT.match(rest)
+    if m is None:
+        raise ValueError(f"tensor_parallel_size > 1: no sharding rule for expert weight {name}")
+    return _cols(w, a, b, name) if m.group(1) == "down_proj" else _rows(w, a, b)

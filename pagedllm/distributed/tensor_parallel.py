@@ -5,6 +5,9 @@
 
 - o_proj and down_proj become ``RowParallelLinear`` (the same object, its class swapped): the
   partial sums of every rank are all-reduced, one all-reduce each per layer;
+- a mixture-of-experts block becomes ``ParallelMoeBlock``: its experts' down_proj stay plain
+  (each a partial sum over the rank's slice of the expert width), and the block's weighted
+  sum of them is all-reduced once, however many experts the step hit;
 - the embedding looks up only the rank's vocabulary rows (zeros elsewhere), all-reduced;
 - ``compute_logits`` all-gathers every rank's vocabulary slice into the full logits.
 
@@ -27,6 +30,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.model.linear import Linear
+from pagedllm.model.moe import SparseMoeBlock
 
 
 def all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -55,6 +59,16 @@ def all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
 class RowParallelLinear(Linear):
     """A Linear holding the rank's input columns: its output is a partial sum until
     all-reduced. Set by class swap (``install``), so the packed / panel / quant forms stay."""
+
+    tp_ctx: ParallelContext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x).contiguous(), self.tp_ctx)
+
+
+class ParallelMoeBlock(SparseMoeBlock):
+    """A mixture-of-experts block holding the rank's slice of every expert (router whole):
+    one all-reduce of the block's output instead of one per expert. Set by class swap."""
 
     tp_ctx: ParallelContext
 
@@ -103,7 +117,11 @@ def install(model: nn.Module, ctx: ParallelContext, vocab_start: int, vocab_size
     tp = ctx.info.tp
     model.tp_size = tp  # read by fused_stack.why_not
     for layer in model.layers:
-        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            mlp.__class__ = ParallelMoeBlock
+            mlp.tp_ctx = ctx
+        for linear in (layer.self_attn.o_proj,) + (() if isinstance(mlp, SparseMoeBlock) else (mlp.down_proj,)):
             linear.__class__ = RowParallelLinear
             linear.tp_ctx = ctx
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, vocab_start, ctx)

@@ -14,6 +14,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.throughput import parallel_line, parallel_stats
 from pagedllm.engine.errors import EngineDeadError
 from tests.conftest import save_tiny_model
+from tests.parity import assert_engines_agree
 
 ENGINE = dict(num_kv_blocks=64, log_stats_interval=1e9, max_num_batched_tokens=32)
 
@@ -177,6 +178,29 @@ def test_tensor_parallel_architectures(tmp_path, variant, model_type, overrides)
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     try:
         assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
+
+
+@pytest.mark.parametrize("variant, model_type, overrides", [
+    ("phi3-fused", "phi3", {"sliding_window": 40, "pad_token_id": 0}),  # fused qkv_proj and gate_up_proj
+    ("qwen3-moe", "qwen3_moe", {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+])  # fmt: skip
+def test_tensor_parallel_fused_and_moe(tmp_path, variant, model_type, overrides):
+    """Phi-3's fused weights cut part by part, and a mixture of experts (router replicated,
+    experts cut by width, one all-reduce per MoE block; layer 1 dense): TP=2 greedy tokens are
+    the one-process engine's, or a near tie flipped by the all-reduce's summation order."""
+    path = save_tiny_model(tmp_path / variant, model_type, seed=5, **overrides)
+    prompts = _prompts((3, 30))
+    sp = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    ref = [o.outputs[0] for o in LLM(str(path), **ENGINE).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    try:
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        exact = [assert_engines_agree(f"{variant} prompt {i}", mine, r) for i, (mine, r) in enumerate(zip(outs, ref))]
+        assert sum(exact) >= len(exact) - 1  # at most one near-tie flip
+        assert [r["num_heads"] for r in llm.llm_engine.executor.worker_reports] == [2, 2]
     finally:
         llm.llm_engine.close()
 
