@@ -41,6 +41,53 @@ def test_dense_shards_are_slices(tmp_path):
     assert stage.num_layers == 1 and torch.equal(s["model.layers.0.mlp.down_proj.weight"], state["model.layers.1.mlp.down_proj.weight"])
 
 
+def test_phi3_fused_weights_cut_part_by_part(tmp_path):
+    """Uneven heads (rank 0: KV heads {0, 1} = query heads 0-3, rank 1: KV head 2 = query heads
+    4-5): each rank's qkv_proj is [its q rows; its k rows; its v rows], its gate_up_proj
+    [its gate rows; its up rows]."""
+    path = save_tiny_model(tmp_path / "phi3", "phi3", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                           intermediate_size=160, pad_token_id=0)  # fmt: skip
+    arch, state = load_weights(resolve_model(str(path)))
+    qkv, gate_up = state["model.layers.0.self_attn.qkv_proj.weight"], state["model.layers.0.mlp.gate_up_proj.weight"]
+    hd, inter = arch.head_dim, arch.intermediate_size
+    q, k, v = qkv.split([6 * hd, 3 * hd, 3 * hd])
+    gate, up = gate_up.split(inter)
+    for rank, (heads, kvs, cut) in enumerate((((0, 4), (0, 2), (0, 80)), ((4, 6), (2, 3), (80, 160)))):
+        local, s = shard_state(arch, dict(state), rank, 2, 0, 1)
+        assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (heads[1] - heads[0], kvs[1] - kvs[0], 80)
+        h, g, c = slice(heads[0] * hd, heads[1] * hd), slice(kvs[0] * hd, kvs[1] * hd), slice(*cut)
+        assert torch.equal(s["model.layers.0.self_attn.qkv_proj.weight"], torch.cat([q[h], k[g], v[g]]))
+        assert torch.equal(s["model.layers.0.mlp.gate_up_proj.weight"], torch.cat([gate[c], up[c]]))
+        assert torch.equal(s["model.layers.0.mlp.down_proj.weight"], state["model.layers.0.mlp.down_proj.weight"][:, c])
+
+
+def test_moe_experts_cut_by_width(tmp_path):
+    """Every expert's gate/up rows and down columns of the rank's half of the expert width, the
+    router whole; transformers 5's stacked 3-D experts are cut the same way."""
+    path = save_tiny_model(tmp_path / "moe", "qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, mlp_only_layers=[1])  # fmt: skip
+    arch, state = load_weights(resolve_model(str(path)))
+    p = "model.layers.0.mlp."
+    stacked = dict(state)
+    gate_up = torch.stack([torch.cat([stacked.pop(f"{p}experts.{e}.gate_proj.weight"),
+                                      stacked.pop(f"{p}experts.{e}.up_proj.weight")]) for e in range(4)])  # fmt: skip
+    stacked[f"{p}experts.gate_up_proj"] = gate_up
+    stacked[f"{p}experts.down_proj"] = torch.stack([stacked.pop(f"{p}experts.{e}.down_proj.weight") for e in range(4)])
+    for rank, c in enumerate((slice(0, 16), slice(16, 32))):
+        local, s = shard_state(arch, dict(state), rank, 2, 0, 1)
+        assert (local.moe_intermediate_size, local.intermediate_size) == (16, arch.intermediate_size // 2)
+        assert torch.equal(s[f"{p}gate.weight"], state[f"{p}gate.weight"])  # the router is replicated
+        for e in range(4):
+            for name in ("gate_proj", "up_proj"):
+                assert torch.equal(s[f"{p}experts.{e}.{name}.weight"], state[f"{p}experts.{e}.{name}.weight"][c])
+            assert torch.equal(s[f"{p}experts.{e}.down_proj.weight"], state[f"{p}experts.{e}.down_proj.weight"][:, c])
+        _, t = shard_state(arch, dict(stacked), rank, 2, 0, 1)
+        want_gate_up = torch.stack([torch.cat([s[f"{p}experts.{e}.gate_proj.weight"], s[f"{p}experts.{e}.up_proj.weight"]])
+                                    for e in range(4)])  # fmt: skip
+        assert torch.equal(t[f"{p}experts.gate_up_proj"], want_gate_up)
+        assert torch.equal(t[f"{p}experts.down_proj"], torch.stack([s[f"{p}experts.{e}.down_proj.weight"] for e in range(4)]))
+
+
 def test_gguf_row_parallel_cuts_whole_blocks():
     """SmolLM2's Q4_1 o_proj (576 inputs) is cut at 384 = 12 blocks, down_proj (1536) at 768:
     each rank keeps its blocks, not a dequantized copy, and they hold the same values."""
