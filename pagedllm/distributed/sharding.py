@@ -170,7 +170,7 @@ def _fused_rows(w: Any, parts: list[int], cuts: list[tuple[int, int]]) -> Any:
     for size, (a, b) in zip(parts, cuts):
         out.append(_rows(w, offset + a, offset + b))
         offset += size
-    return cat_rows(out, merge=False)
+    return cat_rows(out)  # GGUF rows: one block tensor again (a copy of this rank's rows only)
 
 
 def _width_cut(width: int, down: Any, tp_rank: int, tp: int) -> tuple[int, int]:

@@ -61,6 +61,26 @@ def test_phi3_fused_weights_cut_part_by_part(tmp_path):
         assert torch.equal(s["model.layers.0.mlp.down_proj.weight"], state["model.layers.0.mlp.down_proj.weight"][:, c])
 
 
+def test_phi3_gguf_fused_rows_stay_blocks(tmp_path):
+    """A Q8_0 Phi-3 file: the rank's [q; k; v] and [gate; up] rows are one block tensor again
+    (what the fp32 copy and the small-step kernels take), holding the sliced values."""
+    from tests.model.test_gguf_archs import write_gguf
+
+    hf_dir = save_tiny_model(tmp_path / "hf", "phi3", seed=5, sliding_window=40, pad_token_id=0)
+    (tmp_path / "gguf").mkdir()
+    arch, state = load_weights(resolve_model(str(write_gguf(hf_dir, tmp_path / "gguf" / "phi3.gguf", "phi3", "Q8_0"))))
+    hd, inter = arch.head_dim, arch.intermediate_size
+    q, k, v = dequantize(state["model.layers.1.self_attn.qkv_proj.weight"]).split([4 * hd, 2 * hd, 2 * hd])
+    gate, up = dequantize(state["model.layers.1.mlp.gate_up_proj.weight"]).split(inter)
+    for rank in range(2):
+        _, s = shard_state(arch, dict(state), rank, 2, 0, 1)
+        qkv, gate_up = s["model.layers.1.self_attn.qkv_proj.weight"], s["model.layers.1.mlp.gate_up_proj.weight"]
+        assert isinstance(qkv, QuantizedWeight) and isinstance(gate_up, QuantizedWeight)
+        h, g, c = (slice(r * n // 2, (r + 1) * n // 2) for r, n in ((rank, 4 * hd), (rank, 2 * hd), (rank, inter)))
+        assert torch.equal(qkv.dequantize(), torch.cat([q[h], k[g], v[g]]))
+        assert torch.equal(gate_up.dequantize(), torch.cat([gate[c], up[c]]))
+
+
 def test_moe_experts_cut_by_width(tmp_path):
     """Every expert's gate/up rows and down columns of the rank's half of the expert width, the
     router whole; transformers 5's stacked 3-D experts are cut the same way."""

@@ -184,18 +184,27 @@ def test_tensor_parallel_architectures(tmp_path, variant, model_type, overrides)
 
 @pytest.mark.parametrize("variant, model_type, overrides", [
     ("phi3-fused", "phi3", {"sliding_window": 40, "pad_token_id": 0}),  # fused qkv_proj and gate_up_proj
+    ("phi3-q8_0-gguf-blocks", "phi3", {"sliding_window": 40, "pad_token_id": 0}),  # the fused rows as Q8_0 blocks
     ("qwen3-moe", "qwen3_moe", {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
 ])  # fmt: skip
 def test_tensor_parallel_fused_and_moe(tmp_path, variant, model_type, overrides):
-    """Phi-3's fused weights cut part by part, and a mixture of experts (router replicated,
-    experts cut by width, one all-reduce per MoE block; layer 1 dense): TP=2 greedy tokens are
-    the one-process engine's, or a near tie flipped by the all-reduce's summation order."""
+    """Phi-3's fused weights cut part by part (also as GGUF blocks run on every step), and a
+    mixture of experts (router replicated, experts cut by width, one all-reduce per MoE block;
+    layer 1 dense): TP=2 greedy tokens are the one-process engine's, or a near tie flipped by
+    the all-reduce's summation order."""
     path = save_tiny_model(tmp_path / variant, model_type, seed=5, **overrides)
+    engine = dict(ENGINE)
+    if "gguf" in variant:
+        from tests.model.test_gguf_archs import write_gguf
+
+        (tmp_path / "gguf").mkdir()
+        path = write_gguf(path, tmp_path / "gguf" / "phi3.gguf", "phi3", "Q8_0")
+        engine.update(dtype="float32", dense_weights="no")
     prompts = _prompts((3, 30))
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    ref = [o.outputs[0] for o in LLM(str(path), **ENGINE).generate(prompts, sp, use_tqdm=False)]
-    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    ref = [o.outputs[0] for o in LLM(str(path), **engine).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(path), tensor_parallel_size=2, **engine)
     try:
         outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
         exact = [assert_engines_agree(f"{variant} prompt {i}", mine, r) for i, (mine, r) in enumerate(zip(outs, ref))]
