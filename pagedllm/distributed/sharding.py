@@ -11,6 +11,9 @@ Tensor parallel (tp ranks of one pipeline stage):
   ``tp / num_kv_heads`` ranks, which split its group's query heads.
 - q/k/v and gate/up are column parallel (the rank's output rows: free for GGUF blocks too);
   o_proj and down_proj are row parallel (the rank's input columns; one all-reduce after each).
+  GGUF blocks run along the input dimension, so a row-parallel cut must fall on a block
+  boundary (32 weights, 256 for K-quants): the MLP width is cut on such boundaries, and an
+  attention cut that is not aligned falls back to the dequantized (fp32) weight.
   Phi-3's fused ``qkv_proj`` ([q; k; v] rows) and ``gate_up_proj`` ([gate; up] rows) are cut
   part by part and the rank's rows of each part concatenated in the same order, so the
   rank's fused weight is what the unfused cut would have fused.
@@ -18,9 +21,6 @@ Tensor parallel (tp ranks of one pipeline stage):
   tokens to the same experts); each expert's gate/up keeps the rank's slice of the expert
   width and its down_proj the same input columns, so a rank's block output is a partial sum,
   all-reduced once per layer (``tensor_parallel.install``).
-  GGUF blocks run along the input dimension, so a row-parallel cut must fall on a block
-  boundary (32 weights, 256 for K-quants): the MLP width is cut on such boundaries, and an
-  attention cut that is not aligned falls back to the dequantized (fp32) weight.
 - embedding and LM head are vocab parallel: contiguous runs of ``ceil(vocab / tp)`` rows.
 
 Pipeline parallel: stage s holds layers ``[start, end)`` (as even as possible, the first
@@ -114,7 +114,9 @@ def check_supported(arch: ModelArch, tp: int, pp: int) -> None:
     """Refuse what the sharding does not cover, naming the field."""
     if tp > 1:
         if arch.num_experts and arch.architecture != "qwen3_moe":
-            raise ValueError(f"tensor_parallel_size > 1 supports the qwen3_moe mixture of experts, not {arch.architecture}")
+            raise ValueError(
+                f"tensor_parallel_size > 1 supports the qwen3_moe mixture of experts, not {arch.architecture}"
+            )
         head_shards(arch.num_heads, arch.num_kv_heads, tp)
     if pp > 1:
         if arch.architecture not in ("llama", "mistral", "qwen2", "qwen3") or arch.sliding_window is not None:
@@ -184,6 +186,7 @@ def _width_cut(width: int, down: Any, tp_rank: int, tp: int) -> tuple[int, int]:
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_DOWN = re.compile(r"\.mlp\.experts\.\d+\.down_proj\.weight$")
 
 
 def shard_state(
@@ -203,8 +206,7 @@ def shard_state(
         dense_down = next((w for n, w in state.items() if n.endswith(".mlp.down_proj.weight")), None)
         inter = _width_cut(arch.intermediate_size, dense_down, tp_rank, tp)
         if arch.num_experts:
-            expert_down = next((w for n, w in state.items() if _EXPERT.match(n.split(".", 3)[-1])
-                                and n.endswith("down_proj.weight")), None)  # fmt: skip
+            expert_down = next((w for n, w in state.items() if _EXPERT_DOWN.search(n)), None)
             expert = _width_cut(arch.moe_intermediate_size, expert_down, tp_rank, tp)
     v0, v1 = vocab_range(arch.vocab_size, tp_rank, tp)
     out: dict[str, Any] = {}
@@ -221,8 +223,8 @@ def shard_state(
         if tp > 1:
             if rest.startswith("self_attn.qkv_proj."):  # Phi-3: [q; k; v]
                 q_size, kv_size = arch.num_heads * hd, arch.num_kv_heads * hd
-                kv = (heads.kv_start * hd, heads.kv_end * hd)
-                w = _fused_rows(w, [q_size, kv_size, kv_size], [(heads.q_start * hd, heads.q_end * hd), kv, kv])
+                q, kv = (heads.q_start * hd, heads.q_end * hd), (heads.kv_start * hd, heads.kv_end * hd)
+                w = _fused_rows(w, [q_size, kv_size, kv_size], [q, kv, kv])
             elif rest == "mlp.gate_up_proj.weight":  # Phi-3: [gate; up]
                 w = _fused_rows(w, [arch.intermediate_size] * 2, [inter] * 2)
             elif rest.startswith("mlp.experts."):

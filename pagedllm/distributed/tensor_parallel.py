@@ -118,10 +118,13 @@ def install(model: nn.Module, ctx: ParallelContext, vocab_start: int, vocab_size
     model.tp_size = tp  # read by fused_stack.why_not
     for layer in model.layers:
         mlp = layer.mlp
-        if isinstance(mlp, SparseMoeBlock):
+        row_parallel = [layer.self_attn.o_proj]
+        if isinstance(mlp, SparseMoeBlock):  # its experts' down_proj stay partial sums
             mlp.__class__ = ParallelMoeBlock
             mlp.tp_ctx = ctx
-        for linear in (layer.self_attn.o_proj,) + (() if isinstance(mlp, SparseMoeBlock) else (mlp.down_proj,)):
+        else:
+            row_parallel.append(mlp.down_proj)
+        for linear in row_parallel:
             linear.__class__ = RowParallelLinear
             linear.tp_ctx = ctx
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, vocab_start, ctx)

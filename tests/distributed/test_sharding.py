@@ -3,10 +3,12 @@ blocks cut at block boundaries, per-rank threads and pinning."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from pagedllm.distributed.sharding import HeadShard, head_shards, shard_state, split_even
+from pagedllm.distributed.sharding import HeadShard, check_supported, head_shards, shard_state, split_even
 from pagedllm.executor.multiproc import rank_threads
 from pagedllm.model.loader import load_weights, resolve_model
 from pagedllm.quantization.weights import QuantizedWeight, dequantize
@@ -106,6 +108,10 @@ def test_moe_experts_cut_by_width(tmp_path):
                                     for e in range(4)])  # fmt: skip
         assert torch.equal(t[f"{p}experts.gate_up_proj"], want_gate_up)
         assert torch.equal(t[f"{p}experts.down_proj"], torch.stack([s[f"{p}experts.{e}.down_proj.weight"] for e in range(4)]))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 supports the qwen3_moe"):
+        check_supported(replace(arch, architecture="llama"), 2, 1)  # experts of another family
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        check_supported(arch, 1, 2)
 
 
 def test_gguf_row_parallel_cuts_whole_blocks():
