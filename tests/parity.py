@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.bench.workloads import parity_prompts as bench_parity_prompts
+
 
 class NearTieFlip(UserWarning):
     pass
@@ -82,48 +84,9 @@ def assert_engines_agree(name: str, mine, ref, top: int = 5, tie_tol: float = 0.
     return True
 
 
-_FACTS = [
-    "The river flows north through the valley before it reaches the old stone bridge.",
-    "In 1887 the town council voted to build a library with money from the railway company.",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
-    "The recipe calls for two cups of flour, one egg, a pinch of salt and warm milk.",
-    "Mount Kilimanjaro is the highest mountain in Africa and a dormant volcano.",
-    "The committee postponed its decision until the engineers had finished the survey.",
-]
-
-
-def _long_text(n_sentences: int) -> str:
-    return " ".join(f"({i}) {_FACTS[i % len(_FACTS)]}" for i in range(n_sentences))
-
-
 def parity_prompts(tok) -> list[list[int]]:
-    """Ten diverse prompts as token ids (raw and chat-formatted, 1 to ~1,500 tokens)."""
-
-    def chat(msgs):
-        return tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
-
-    raw = [
-        "The capital of France is",
-        "def fibonacci(n):\n    ",
-        "Once upon a time, in a land far away,",
-        _long_text(20) + "\nSummary:",
-        _long_text(75) + "\nQuestion: what did the council vote for?\nAnswer:",
-    ]
-    out = [[tok.encode("Hello")[0]]]  # a single token
-    out += [tok.encode(t) for t in raw]
-    out.append(chat([{"role": "user", "content": "What is the capital of France?"}]))
-    out.append(chat([{"role": "user", "content": "Write a haiku about autumn leaves."}]))
-    out.append(
-        chat(
-            [
-                {"role": "system", "content": "You are a terse assistant."},
-                {"role": "user", "content": "List three prime numbers."},
-                {"role": "assistant", "content": "2, 3, 5."},
-                {"role": "user", "content": "Three more, please."},
-            ]
-        )
-    )
-    out.append(chat([{"role": "user", "content": "Summarize this text:\n" + _long_text(40)}]))
+    """The parity prompts (pagedllm/bench/workloads.py), checked to span 1 to ~1,500 tokens."""
+    out = bench_parity_prompts(tok)
     lens = sorted(len(p) for p in out)
     assert len(out) >= 10 and lens[0] == 1 and lens[-1] >= 1400, lens
     return out

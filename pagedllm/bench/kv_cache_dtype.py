@@ -29,19 +29,9 @@ from typing import Any
 import torch
 
 from pagedllm.bench.common import PERPLEXITY_TEXT, cpu_name
+from pagedllm.bench.workloads import parity_prompts
 
 DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3"]
-
-_FACTS = [
-    "The river flows north through the valley before it reaches the old stone bridge.",
-    "In 1887 the town council voted to build a library with money from the railway company.",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
-    "The recipe calls for two cups of flour, one egg, a pinch of salt and warm milk.",
-    "Mount Kilimanjaro is the highest mountain in Africa and a dormant volcano.",
-    "The committee postponed its decision until the engineers had finished the survey.",
-]
-
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="attention,accuracy,w1", help="comma-separated: attention, accuracy, w1")
@@ -104,28 +94,6 @@ def _bytes_per_token_head(name: str, head_dim: int) -> int:
 
 
 # ------------------------------------------------------------------------------ engine parts
-def parity_prompts(tok) -> list[list[int]]:
-    """The prompts of tests/test_parity.py (1 to ~1,500 tokens, raw and chat)."""
-
-    def long_text(n: int) -> str:
-        return " ".join(f"({i}) {_FACTS[i % len(_FACTS)]}" for i in range(n))
-
-    def chat(msgs):
-        return tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
-
-    raw = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away,",
-           long_text(20) + "\nSummary:", long_text(75) + "\nQuestion: what did the council vote for?\nAnswer:"]  # fmt: skip
-    out = [[tok.encode("Hello")[0]]] + [tok.encode(t) for t in raw]
-    out.append(chat([{"role": "user", "content": "What is the capital of France?"}]))
-    out.append(chat([{"role": "user", "content": "Write a haiku about autumn leaves."}]))
-    out.append(chat([{"role": "system", "content": "You are a terse assistant."},
-                     {"role": "user", "content": "List three prime numbers."},
-                     {"role": "assistant", "content": "2, 3, 5."},
-                     {"role": "user", "content": "Three more, please."}]))  # fmt: skip
-    out.append(chat([{"role": "user", "content": "Summarize this text:\n" + long_text(40)}]))
-    return out
-
-
 def use_kv_dtype(llm, kv_cache_dtype: str) -> None:
     """Give ``llm`` a fresh model runner (new KV pools of ``kv_cache_dtype``) around its model."""
     from pagedllm.runner.model_runner import ModelRunner

@@ -54,3 +54,37 @@ TEXT_PROMPTS = {
         "Convert this sentence to uppercase: the meeting starts at nine o'clock in the main hall on the second floor.",
     ],
 }
+
+
+# The greedy-parity prompts: short, long, raw and chat (their sentences are made up).
+_FACTS = [
+    "The river flows north through the valley before it reaches the old stone bridge.",
+    "In 1887 the town council voted to build a library with money from the railway company.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+    "The recipe calls for two cups of flour, one egg, a pinch of salt and warm milk.",
+    "Mount Kilimanjaro is the highest mountain in Africa and a dormant volcano.",
+    "The committee postponed its decision until the engineers had finished the survey.",
+]
+
+
+def parity_prompts(tok) -> list[list[int]]:
+    """The parity prompts (tests/test_parity.py and the accuracy benchmarks): ten diverse
+    prompts as token ids, raw and chat-formatted, 1 to ~1,500 tokens."""
+
+    def long_text(n: int) -> str:
+        return " ".join(f"({i}) {_FACTS[i % len(_FACTS)]}" for i in range(n))
+
+    def chat(msgs):
+        return tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+    raw = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away,",
+           long_text(20) + "\nSummary:", long_text(75) + "\nQuestion: what did the council vote for?\nAnswer:"]  # fmt: skip
+    out = [[tok.encode("Hello")[0]]] + [tok.encode(t) for t in raw]
+    out.append(chat([{"role": "user", "content": "What is the capital of France?"}]))
+    out.append(chat([{"role": "user", "content": "Write a haiku about autumn leaves."}]))
+    out.append(chat([{"role": "system", "content": "You are a terse assistant."},
+                     {"role": "user", "content": "List three prime numbers."},
+                     {"role": "assistant", "content": "2, 3, 5."},
+                     {"role": "user", "content": "Three more, please."}]))  # fmt: skip
+    out.append(chat([{"role": "user", "content": "Summarize this text:\n" + long_text(40)}]))
+    return out
