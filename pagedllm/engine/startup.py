@@ -119,14 +119,16 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
         n = model.pack_dense()  # each layer checks it can (fp32 on CPU, kernels built)
         if trim is not None:
             trim(model)
-        moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer
-    if moved:
-        logger.info("GGUF blocks for small steps: %.1f MiB in one huge-page buffer, in layer order", moved / (1 << 20))
     if n:
         logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
     if config.activation_dtype == "int8":  # the opt-in fast mode; the layers it cannot take stay as above
         with times.phase("int8 panels"):
             log_int8_report(int8_activations.convert_model(model))
+    # Last, so only the blocks that stay are copied (int8 activations release the ones they take).
+    with times.phase("panels"):
+        moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer
+    if moved:
+        logger.info("GGUF blocks for small steps: %.1f MiB in one huge-page buffer, in layer order", moved / (1 << 20))
     if not tokenizer:
         return LoadedModel(source, arch, model, None, frozenset(arch.eos_token_ids), max_model_len, times, placement.dense)
     with times.phase("tokenizer"):
