@@ -315,6 +315,38 @@ def test_the_c_api_is_declared_in_one_place():
     assert api["paged_attention_f32"][1][13] is ctypes.c_int64  # num_blocks, passed since it exists
 
 
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((32, 1), 64), ((4, 4), 64)])
+def test_attention_of_a_token_does_not_depend_on_the_rest_of_the_step(heads, head_dim):
+    """Steps with many tokens take all KV heads of a token in one work item (contiguous block
+    reads), small steps one KV head per item, groups over 16 query heads in rounds: a token's
+    output must be the same bits either way (batch invariance), and equal the torch twin."""
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(3)
+    block_size, nb = 16, 200
+    kc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g)
+    vc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g)
+    lens = [1, 37, 200, 16, 90, 333, 5, 64, 129, 250, 17, 48]
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.zeros(len(lens), 21, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // block_size)
+        tables[i, :k] = perm[used : used + k]
+        used += k
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+
+    def run(rows):
+        return ops.paged_attention(q[rows], kc, vc, tables[rows], torch.tensor([lens[r] for r in rows]),
+                                   torch.arange(len(rows) + 1), scale)  # fmt: skip
+
+    full = run(list(range(len(lens))))
+    for r in (0, 2, 5):
+        assert torch.equal(run([r]), full[r : r + 1])
+    twin = reference.paged_attention(q, kc, vc, tables, torch.tensor(lens), torch.arange(len(lens) + 1), scale)
+    torch.testing.assert_close(full, twin, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_with_an_empty_context_gives_zeros_not_a_crash():
     kc = torch.randn(4, 16, 2, 64)
     vc = torch.randn(4, 16, 2, 64)

@@ -75,7 +75,7 @@ int pagedllm_debug_checks();
 
 namespace {
 
-constexpr int MAX_GROUP = 8;  // query heads attended together (more are split into rounds)
+constexpr int MAX_ITEM_HEADS = 16;  // query heads of one attention work item (more: split into items)
 
 // bf16 is the top half of an fp32: widening is exact.
 using bf16_t = uint16_t;
@@ -112,40 +112,80 @@ inline __m256 load8(const bf16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-// Attention of G <= MAX_GROUP query heads that share one KV head (q/out: G consecutive rows of
-// DV*8 floats) over keys start..ctx-1 reached through the block table (start > 0: a sliding
-// window; the blocks before start's are never read - they may already belong to another
-// request). Each K/V row is fetched once
-// for all G heads - the first head brings it into L1, the others reuse it - which matters
-// because fetching rows from L2 is what bounds this loop (measured: ~40 cycles per key and
-// head when each head fetched its own). Two passes per head: scores of 8 keys at a time into
-// `scores` (G rows of `sstride` floats), softmax, then the weighted sum of V rows block by
-// block, with each head's DV accumulators parked in `accbuf` between blocks.
+// A software prefetch into L1. As inline asm: GCC deletes __builtin_prefetch / _mm_prefetch in
+// these loops at -O1 and up (kv_quant_attention.cpp has the same helper).
+inline void prefetch_l1(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+    __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// The rows of `nkv` consecutive KV heads (from `head_offset`) in block slots slot0..slot0+n-1.
+template <typename T>
+inline void prefetch_block(const T* cache, int64_t slot0, int64_t n, int64_t token_stride, int64_t head_offset,
+                           int64_t row_elems) {
+    const int64_t bytes = row_elems * int64_t(sizeof(T));
+    for (int64_t r = 0; r < n; r++) {
+        const char* p = reinterpret_cast<const char*>(cache + (slot0 + r) * token_stride + head_offset);
+        for (int64_t off = 0; off < bytes; off += 64) prefetch_l1(p + off);
+    }
+}
+
+// Attention of one token's query heads for NKV consecutive KV heads (G query heads each, NKV * G
+// <= MAX_ITEM_HEADS; q/out: NKV * G consecutive rows of DV*8 floats, head h = k * G + g uses KV
+// head k) over keys start..ctx-1 reached through the block table (start > 0: a sliding window;
+// the blocks before start's are never read - they may already belong to another request).
+//
+// Memory: a block's rows of all NKV heads are adjacent in the cache, so an item covering every
+// KV head of its token reads each K/V block as one contiguous run, and the next block (scattered
+// elsewhere in the pool) is prefetched while this one is computed: DRAM, not latency, then bounds
+// decode. Each K/V row is fetched once for the G heads that share it (the first head brings it
+// into L1). Two passes: scores of 8 keys at a time into `scores` (one row of `sstride` floats
+// per head), softmax, then the weighted sum of V rows block by block, with each head's DV
+// accumulators parked in `accbuf` between blocks. Each head's arithmetic (its keys' order, its
+// sums) does not depend on NKV, so how heads are split into items never changes a result.
 //
 // Score chunks start at `a`: start rounded down to 8 when blocks are multiples of 8 (so a
 // chunk's 8 keys are consecutive slots of one block - start's own block), else start itself:
 //
 //     key positions:  a        start                               ctx
 //                     |  off   |<------------ L keys ------------->|
-//     scores[g]:      [masked  | softmax over these               ] (index = position - a)
+//     scores[h]:      [masked  | softmax over these               ] (index = position - a)
 template <int DV, typename T>
-void attend_group(float* out, const float* q, int G, const T* key_cache, const T* value_cache, const int64_t* table,
-                  int64_t start, int64_t ctx, int64_t block_size, int64_t token_stride, int64_t head_offset,
-                  float scale, float* scores, int64_t sstride) {
-    alignas(32) float qs[MAX_GROUP][DV * 8];
-    alignas(32) float accbuf[MAX_GROUP][DV * 8];
-    float vmaxs[MAX_GROUP];
-    for (int g = 0; g < G; g++) {
-        for (int i = 0; i < DV * 8; i++) qs[g][i] = q[g * DV * 8 + i] * scale;
-        vmaxs[g] = -3.0e38f;
+void attend_heads(float* out, const float* q, int NKV, int G, const T* key_cache, const T* value_cache,
+                  const int64_t* table, int64_t start, int64_t ctx, int64_t block_size, int64_t token_stride,
+                  int64_t head_offset, float scale, float* scores, int64_t sstride) {
+    constexpr int HD = DV * 8;  // head_dim
+    const int NH = NKV * G;
+    alignas(32) float qs[MAX_ITEM_HEADS][HD];
+    alignas(32) float accbuf[MAX_ITEM_HEADS][HD];
+    float vmaxs[MAX_ITEM_HEADS];
+    for (int h = 0; h < NH; h++) {
+        for (int i = 0; i < HD; i++) qs[h][i] = q[h * HD + i] * scale;
+        vmaxs[h] = -3.0e38f;
     }
+    const int64_t row_elems = int64_t(NKV) * HD;  // one slot's elements for these heads
     const bool aligned = block_size % 8 == 0;
     const int64_t a = aligned ? start - start % 8 : start;
     const int off = int(start - a);  // leading lanes of the first chunk that precede the window
     const int64_t L = ctx - start;
+    const int64_t last_block = (ctx - 1) / block_size;
+    auto block_slot = [&](int64_t b) { return table[b] * block_size; };
+    prefetch_block(key_cache, block_slot(a / block_size) + a % block_size,
+                   std::min(block_size - a % block_size, ctx - a), token_stride, head_offset, row_elems);
     const T* krow[8];
     for (int64_t j0 = a; j0 < ctx; j0 += 8) {
         const int n = int(std::min<int64_t>(8, ctx - j0));
+        if (aligned) {  // spread over the chunks: the K rows one block ahead, this chunk's V rows
+            const int64_t p = j0 + block_size;
+            if (p < ctx)
+                prefetch_block(key_cache, block_slot(p / block_size) + p % block_size, std::min<int64_t>(8, ctx - p),
+                               token_stride, head_offset, row_elems);
+            prefetch_block(value_cache, block_slot(j0 / block_size) + j0 % block_size, n, token_stride, head_offset,
+                           row_elems);
+        }
         if (aligned) {  // the 8 keys are consecutive slots of one block
             const int64_t slot = table[j0 / block_size] * block_size + j0 % block_size;
             for (int j = 0; j < 8; j++) krow[j] = key_cache + (slot + std::min(j, n - 1)) * token_stride + head_offset;
@@ -156,26 +196,29 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
             }
         }
         const int first_lane = j0 == a ? off : 0;  // lanes before the window stay out of the max
-        for (int g = 0; g < G; g++) {
+        for (int h = 0; h < NH; h++) {
+            const int64_t ko = int64_t(h / G) * HD;  // this head's KV head within the row
             __m256 dots[8];
-            const __m256 q0 = _mm256_load_ps(qs[g]);
-            for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j]));
+            const __m256 q0 = _mm256_load_ps(qs[h]);
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j] + ko));
             for (int c = 1; c < DV; c++) {
-                const __m256 qc = _mm256_load_ps(qs[g] + 8 * c);
-                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + 8 * c), dots[j]);
+                const __m256 qc = _mm256_load_ps(qs[h] + 8 * c);
+                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + ko + 8 * c), dots[j]);
             }
             const __m256 sv = hsum8(dots);  // lanes past n repeat a real key: harmless for the max
-            _mm256_storeu_ps(scores + g * sstride + (j0 - a), sv);
+            _mm256_storeu_ps(scores + h * sstride + (j0 - a), sv);
             alignas(32) float lanes[8];
             _mm256_store_ps(lanes, sv);
-            for (int j = first_lane; j < 8; j++) vmaxs[g] = std::max(vmaxs[g], lanes[j]);
+            for (int j = first_lane; j < 8; j++) vmaxs[h] = std::max(vmaxs[h], lanes[j]);
         }
     }
+    prefetch_block(value_cache, block_slot(start / block_size) + start % block_size,
+                   std::min(block_size - start % block_size, L), token_stride, head_offset, row_elems);
     // Softmax of each head's L scores (those of keys start..ctx-1).
-    float sums[MAX_GROUP];
-    for (int g = 0; g < G; g++) {
-        float* sc = scores + g * sstride + off;
-        const __m256 mx = _mm256_set1_ps(vmaxs[g]);
+    float sums[MAX_ITEM_HEADS];
+    for (int h = 0; h < NH; h++) {
+        float* sc = scores + h * sstride + off;
+        const __m256 mx = _mm256_set1_ps(vmaxs[h]);
         __m256 vsum = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 8 <= L; j += 8) {
@@ -183,32 +226,38 @@ void attend_group(float* out, const float* q, int G, const T* key_cache, const T
             vsum = _mm256_add_ps(vsum, e);
             _mm256_storeu_ps(sc + j, e);
         }
-        sums[g] = hsum(vsum);
-        for (; j < L; j++) { sc[j] = std::exp(sc[j] - vmaxs[g]); sums[g] += sc[j]; }
-        for (int i = 0; i < DV * 8; i++) accbuf[g][i] = 0.f;
+        sums[h] = hsum(vsum);
+        for (; j < L; j++) { sc[j] = std::exp(sc[j] - vmaxs[h]); sums[h] += sc[j]; }
+        for (int i = 0; i < HD; i++) accbuf[h][i] = 0.f;
     }
     // Weighted sum of V rows, a block (or the window's part of the first one) at a time.
     for (int64_t j0 = start; j0 < ctx;) {
         const int64_t in_block = j0 % block_size;
         const T* vb = value_cache + (table[j0 / block_size] * block_size + in_block) * token_stride + head_offset;
         const int64_t n = std::min(block_size - in_block, ctx - j0);
-        for (int g = 0; g < G; g++) {
-            const float* p = scores + g * sstride + (j0 - a);
+        if (j0 / block_size < last_block) {
+            const int64_t nb = j0 / block_size + 1;
+            prefetch_block(value_cache, block_slot(nb), std::min(block_size, ctx - nb * block_size), token_stride,
+                           head_offset, row_elems);
+        }
+        for (int h = 0; h < NH; h++) {
+            const float* p = scores + h * sstride + (j0 - a);
+            const T* vh = vb + int64_t(h / G) * HD;
             __m256 acc[DV];
-            for (int c = 0; c < DV; c++) acc[c] = _mm256_load_ps(accbuf[g] + 8 * c);
+            for (int c = 0; c < DV; c++) acc[c] = _mm256_load_ps(accbuf[h] + 8 * c);
             for (int64_t jj = 0; jj < n; jj++) {
                 const __m256 pj = _mm256_set1_ps(p[jj]);
-                const T* vr = vb + jj * token_stride;
+                const T* vr = vh + jj * token_stride;
                 for (int c = 0; c < DV; c++) acc[c] = _mm256_fmadd_ps(pj, load8(vr + 8 * c), acc[c]);
             }
-            for (int c = 0; c < DV; c++) _mm256_store_ps(accbuf[g] + 8 * c, acc[c]);
+            for (int c = 0; c < DV; c++) _mm256_store_ps(accbuf[h] + 8 * c, acc[c]);
         }
         j0 += n;
     }
-    for (int g = 0; g < G; g++) {
-        const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+    for (int h = 0; h < NH; h++) {
+        const __m256 inv = _mm256_set1_ps(1.f / sums[h]);
         for (int c = 0; c < DV; c++)
-            _mm256_storeu_ps(out + g * DV * 8 + 8 * c, _mm256_mul_ps(_mm256_load_ps(accbuf[g] + 8 * c), inv));
+            _mm256_storeu_ps(out + h * HD + 8 * c, _mm256_mul_ps(_mm256_load_ps(accbuf[h] + 8 * c), inv));
     }
 }
 
@@ -274,47 +323,57 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
     std::vector<int64_t> token_seq(num_tokens);
     for (int64_t s = 0; s < num_seqs; s++)
         for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) token_seq[t] = s;
-    // Work items are (token, KV head): the query heads of a group run together (attend_group).
-    const int64_t work = num_tokens * num_kv_heads;
+    // Work items: a token's query heads for a run of KV heads. Decode-sized steps with enough
+    // tokens to keep every thread busy take all KV heads of a token in one item (its K/V blocks
+    // are then read as contiguous runs); otherwise one KV head per item, so even one token
+    // spreads over the threads. A group wider than MAX_ITEM_HEADS is split into rounds.
+    const int64_t rounds = (group + MAX_ITEM_HEADS - 1) / MAX_ITEM_HEADS;
+    const int64_t kv_per_item =
+        rounds > 1 || num_tokens < 4 * int64_t(nthreads) ? 1 : std::min<int64_t>(num_kv_heads, MAX_ITEM_HEADS / group);
+    const int64_t kv_items = (num_kv_heads + kv_per_item - 1) / kv_per_item;
+    const int64_t per_token = kv_items * rounds;
+    const int64_t work = num_tokens * per_token;
     int64_t max_ctx = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_ctx = std::max(max_ctx, seq_lens[s]);
     const int64_t sstride = (max_ctx + 15) / 8 * 8;
 #pragma omp parallel num_threads(nthreads)
     {
-        std::vector<float> scores(sstride * MAX_GROUP);
+        std::vector<float> scores(sstride * MAX_ITEM_HEADS);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < work; w++) {
-            const int64_t t = w / num_kv_heads, kvh = w % num_kv_heads;
+            const int64_t t = w / per_token, r = w % per_token;
+            const int64_t kv0 = (r / rounds) * kv_per_item, round = r % rounds;
+            const int nkv = int(std::min(kv_per_item, num_kv_heads - kv0));
+            const int64_t h0 = kv0 * group + round * MAX_ITEM_HEADS;
+            const int g = nkv > 1 ? int(group) : int(std::min<int64_t>(MAX_ITEM_HEADS, group - round * MAX_ITEM_HEADS));
             const int64_t s = token_seq[t];
             const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // keys 0..ctx-1
             const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // ..or start..ctx-1
             const int64_t* table = block_tables + s * block_table_stride;
-            const int64_t offset = kvh * head_dim;
+            const int64_t offset = kv0 * head_dim;
+            const float* qh = q + (t * num_heads + h0) * head_dim;
+            float* oh = out + (t * num_heads + h0) * head_dim;
             if (ctx <= 0) {  // nothing to attend to (a malformed step): zeros, never a division by 0
-                std::fill(out + (t * num_heads + kvh * group) * head_dim,
-                          out + (t * num_heads + (kvh + 1) * group) * head_dim, 0.f);
+                std::fill(oh, oh + int64_t(nkv) * g * head_dim, 0.f);
                 continue;
             }
-            for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += MAX_GROUP) {
-                const int g = int(std::min<int64_t>(MAX_GROUP, (kvh + 1) * group - h0));
-                const float* qh = q + (t * num_heads + h0) * head_dim;
-                float* oh = out + (t * num_heads + h0) * head_dim;
 #ifdef PAGEDLLM_AVX2
-                if (head_dim == 64) {
-                    attend_group<8>(oh, qh, g, key_cache, value_cache, table, start, ctx, block_size, token_stride, offset,
-                                    scale, scores.data(), sstride);
-                    continue;
-                }
-                if (head_dim == 128) {
-                    attend_group<16>(oh, qh, g, key_cache, value_cache, table, start, ctx, block_size, token_stride, offset,
-                                     scale, scores.data(), sstride);
-                    continue;
-                }
-#endif
-                for (int i = 0; i < g; i++)
-                    attend_one_generic(oh + i * head_dim, qh + i * head_dim, key_cache, value_cache, table, start, ctx,
-                                       block_size, token_stride, offset, head_dim, scale, scores);
+            if (head_dim == 64) {
+                attend_heads<8>(oh, qh, nkv, g, key_cache, value_cache, table, start, ctx, block_size, token_stride,
+                                offset, scale, scores.data(), sstride);
+                continue;
             }
+            if (head_dim == 128) {
+                attend_heads<16>(oh, qh, nkv, g, key_cache, value_cache, table, start, ctx, block_size, token_stride,
+                                 offset, scale, scores.data(), sstride);
+                continue;
+            }
+#endif
+            for (int k = 0; k < nkv; k++)
+                for (int i = 0; i < g; i++)
+                    attend_one_generic(oh + (k * g + i) * head_dim, qh + (k * g + i) * head_dim, key_cache, value_cache,
+                                       table, start, ctx, block_size, token_stride, offset + k * head_dim, head_dim,
+                                       scale, scores);
         }
     }
 }
