@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.kernels import ops, reference
+from pagedllm.kernels import kv_ops, ops, reference
 from pagedllm.kernels.build import load_kernels
 from pagedllm.model.linear import PACKED_MAX_ROWS, Linear
 
@@ -315,16 +315,17 @@ def test_the_c_api_is_declared_in_one_place():
     assert api["paged_attention_f32"][1][13] is ctypes.c_int64  # num_blocks, passed since it exists
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((32, 1), 64), ((4, 4), 64)])
-def test_attention_of_a_token_does_not_depend_on_the_rest_of_the_step(heads, head_dim):
+def test_attention_of_a_token_does_not_depend_on_the_rest_of_the_step(heads, head_dim, cache_dtype):
     """Steps with many tokens take all KV heads of a token in one work item (contiguous block
     reads), small steps one KV head per item, groups over 16 query heads in rounds: a token's
     output must be the same bits either way (batch invariance), and equal the torch twin."""
     num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(3)
     block_size, nb = 16, 200
-    kc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g)
-    vc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g)
+    kc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    vc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
     lens = [1, 37, 200, 16, 90, 333, 5, 64, 129, 250, 17, 48]
     perm = torch.randperm(nb, generator=g)
     tables = torch.zeros(len(lens), 21, dtype=torch.int64)
@@ -337,13 +338,15 @@ def test_attention_of_a_token_does_not_depend_on_the_rest_of_the_step(heads, hea
     scale = head_dim**-0.5
 
     def run(rows):
-        return ops.paged_attention(q[rows], kc, vc, tables[rows], torch.tensor([lens[r] for r in rows]),
-                                   torch.arange(len(rows) + 1), scale)  # fmt: skip
+        args = (tables[rows], torch.tensor([lens[r] for r in rows]), torch.arange(len(rows) + 1), scale)
+        if cache_dtype == torch.float16:  # the fp16 cache runs the same kernel, widening in registers
+            return kv_ops.paged_attention_kv(q[rows], kc, vc, None, None, *args)
+        return ops.paged_attention(q[rows], kc, vc, *args)
 
     full = run(list(range(len(lens))))
     for r in (0, 2, 5):
         assert torch.equal(run([r]), full[r : r + 1])
-    twin = reference.paged_attention(q, kc, vc, tables, torch.tensor(lens), torch.arange(len(lens) + 1), scale)
+    twin = reference.paged_attention(q, kc.float(), vc.float(), tables, torch.tensor(lens), torch.arange(len(lens) + 1), scale)
     torch.testing.assert_close(full, twin, rtol=1e-5, atol=1e-5)
 
 

@@ -1,9 +1,9 @@
 // Native CPU kernels for pagedllm, loaded through ctypes (see pagedllm/kernels/build.py).
 //
-// - paged_attention_{f32,bf16}: causal attention for a flattened batch (decodes and prefill
-//   chunks) that reads K/V in place from the paged cache through the block tables - no gather
-//   copy; a sliding window skips the blocks before it. The bf16 variant reads a bf16 cache (half
-//   the bytes) and computes in fp32.
+// - paged_attention_{f32,bf16}, paged_attention_kv_f16: causal attention for a flattened batch
+//   (decodes and prefill chunks) that reads K/V in place from the paged cache through the block
+//   tables - no gather copy; a sliding window skips the blocks before it. The bf16 and fp16
+//   variants read a 16-bit cache (half the bytes), widen it in registers and compute in fp32.
 // - grouped_gemm_{q4_1,q8_0}: y = x @ W^T with W kept in GGUF blocks (regrouped), so a step reads
 //   0.6-1.1 bytes per weight instead of 4. Activations and accumulation stay fp32, so the
 //   result equals x @ dequantize(W)^T up to summation order.
@@ -45,6 +45,11 @@ void paged_attention_bf16(float* out, const float* q, const uint16_t* key_cache,
                           const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t window, float scale,
                           int nthreads);
+void paged_attention_kv_f16(float* out, const float* q, const uint16_t* key_cache, const uint16_t* value_cache,
+                            const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
+                            const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int64_t window,
+                            int nthreads);
 void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
 void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
@@ -80,6 +85,11 @@ constexpr int MAX_ITEM_HEADS = 16;  // query heads of one attention work item (m
 // bf16 is the top half of an fp32: widening is exact.
 using bf16_t = uint16_t;
 inline float to_f32(float x) { return x; }
+// IEEE fp16, as the float16 KV cache (--kv-cache-dtype float16) stores it; also exact to widen.
+struct f16_t {
+    uint16_t bits;
+};
+inline float to_f32(f16_t x) { return pagedllm_f16_to_f32(x.bits); }
 inline float to_f32(bf16_t x) {
     const uint32_t u = uint32_t(x) << 16;
     float f;
@@ -107,6 +117,15 @@ inline void axpy(float* y, float alpha, const T* x, int n) {
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const f16_t* p) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    alignas(32) float t[8];
+    for (int i = 0; i < 8; i++) t[i] = to_f32(p[i]);
+    return _mm256_load_ps(t);
+#endif
+}
 inline __m256 load8(const bf16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -397,6 +416,19 @@ void paged_attention_bf16(float* out, const float* q, const bf16_t* key_cache, c
                           int nthreads) {
     paged_attention(out, q, key_cache, value_cache, block_tables, block_table_stride, seq_lens, query_start_loc,
                     num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, window, scale, nthreads);
+}
+
+// The same over an fp16 cache (the float16 KV cache dtype; kv_ops.paged_attention_kv calls it):
+// each row widens exactly in registers, so the result is fp32 attention over the stored values.
+void paged_attention_kv_f16(float* out, const float* q, const uint16_t* key_cache, const uint16_t* value_cache,
+                            const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
+                            const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int64_t window,
+                            int nthreads) {
+    static_assert(sizeof(f16_t) == 2, "f16_t is the stored half");
+    paged_attention(out, q, reinterpret_cast<const f16_t*>(key_cache), reinterpret_cast<const f16_t*>(value_cache),
+                    block_tables, block_table_stride, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads,
+                    head_dim, block_size, num_blocks, window, scale, nthreads);
 }
 
 // ---------------------------------------------------------------------------------------------

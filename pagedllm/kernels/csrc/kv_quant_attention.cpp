@@ -1,10 +1,11 @@
 // Paged attention over reduced-precision KV caches (``--kv-cache-dtype``), and their write path.
 //
-// - paged_attention_kv_{f16,i8,fp8}: the attention of paged_attention_f32 (cpu_kernels.cpp) for
-//   caches stored as IEEE fp16, int8 or fp8 e4m3 (float8_e4m3fn). int8 and fp8 carry one fp32
-//   scale per written token and KV head ([num_blocks, block_size, num_kv_heads]): value =
-//   scale * stored. q, out and all arithmetic stay fp32. A sliding `window` (0 = none) lets a
-//   query at position p see keys p - window + 1 .. p.
+// - paged_attention_kv_{i8,fp8}: the attention of paged_attention_f32 (cpu_kernels.cpp) for
+//   caches stored as int8 or fp8 e4m3 (float8_e4m3fn), with one fp32 scale per written token and
+//   KV head ([num_blocks, block_size, num_kv_heads]): value = scale * stored. q, out and all
+//   arithmetic stay fp32. A sliding `window` (0 = none) lets a query at position p see keys
+//   p - window + 1 .. p. (An fp16 cache needs no scale and widens in registers: cpu_kernels.cpp
+//   runs it through the fp32 kernel, paged_attention_kv_f16.)
 // - write_kv_{i8,fp8}: quantize this step's K/V rows (one scale per token and head: absmax/127,
 //   or absmax/448 for e4m3) into their slots. No block is ever requantised as it fills.
 //
@@ -24,11 +25,6 @@
 
 // C-API-BEGIN
 extern "C" {
-void paged_attention_kv_f16(float* out, const float* q, const uint16_t* key_cache, const uint16_t* value_cache,
-                            const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
-                            const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int64_t window,
-                            int nthreads);
 void paged_attention_kv_i8(float* out, const float* q, const int8_t* key_cache, const int8_t* value_cache,
                            const float* key_scales, const float* value_scales, const int64_t* block_tables,
                            int64_t block_table_stride, const int64_t* seq_lens, const int64_t* query_start_loc,
@@ -83,7 +79,6 @@ inline uint8_t f32_to_e4m3(float x) {
     return uint8_t(sign | (exp << 3) | mant);
 }
 
-inline float widen(uint16_t h) { return pagedllm_f16_to_f32(h); }
 inline float widen(int8_t x) { return float(x); }
 inline float widen(uint8_t c) { return kE4M3.v[c]; }
 
@@ -102,9 +97,6 @@ inline void dequant_row(float* dst, const T* src, float s, int64_t D) {
             const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
             _mm256_store_ps(dst + i, _mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
         }
-    } else if constexpr (std::is_same_v<T, uint16_t>) {
-        for (; i + 8 <= D; i += 8)
-            _mm256_store_ps(dst + i, _mm256_mul_ps(vs, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)))));
     } else {
         // e4m3 S.EEEE.MMM placed in fp16 bits as S.0EEEE.MMM0000000 is the same number times
         // 2^-8 (the biases are 15 and 7), subnormals included: the hardware converts it exactly
@@ -324,7 +316,8 @@ struct Scratch {
 template <typename T>
 void attend_group_kv(float* out, const float* q, int G, const T* key_cache, const T* value_cache,
                      const float* key_scales, const float* value_scales, const int64_t* table, int64_t lo, int64_t ctx,
-                     int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t D, float scale, Scratch& buf) {
+                     int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t D, float scale, Scratch& buf,
+                     int64_t prefetch_heads) {
     // Where row r (this head's) of physical block `blk` and its scale live. (A head-major block
     // layout, each head's rows contiguous, measured no faster: 4.86 vs 4.98 ms at 64 x 320.)
     const int64_t row_stride = num_kv_heads * D;  // [num_blocks, block_size, num_kv_heads, D]
@@ -351,10 +344,11 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
             dequant_row(tile + r * D, row_of(cache, blk, r), s, D);
         }
     };
-    // A block's rows of this head, and its scales (all heads': block_size * num_kv_heads floats).
+    // A block's rows of this head (and of the next prefetch_heads - 1, adjacent in each slot: the
+    // item's first head fetches them for the others into L2), and its scales (all heads').
     auto prefetch_block = [&](const T* cache, const float* scales, int64_t b) {
         if (b >= b_hi) return;
-        prefetch_rows(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes);
+        prefetch_rows(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes * prefetch_heads);
         if (scales != nullptr)
             prefetch_rows(scales + row_index(table[b], 0), 1, 0, block_size * num_kv_heads * int64_t(sizeof(float)));
     };
@@ -506,13 +500,19 @@ void paged_attention_kv(float* out, const float* q, const T* key_cache, const T*
     std::vector<int64_t> token_seq(num_tokens);
     for (int64_t s = 0; s < num_seqs; s++)
         for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) token_seq[t] = s;
-    const int64_t work = num_tokens * num_kv_heads;
+    // Work items: (token, KV head), or every KV head of a token once the step has enough tokens
+    // to keep the threads busy: its first head then prefetches the whole slot rows (all heads'
+    // rows of a slot are adjacent), so the blocks stream as contiguous runs and the other heads
+    // find their rows in L2. Each head's arithmetic is the same either way.
+    const int64_t kv_per_item = num_tokens >= 4 * int64_t(nthreads) ? num_kv_heads : 1;
+    const int64_t work = num_tokens * (num_kv_heads / kv_per_item);
 #pragma omp parallel num_threads(nthreads)
     {
         Scratch buf;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < work; w++) {
-            const int64_t t = w / num_kv_heads, kvh = w % num_kv_heads;
+        for (int64_t w = 0; w < work; w++)
+        for (int64_t k = 0; k < kv_per_item; k++) {
+            const int64_t t = w * kv_per_item / num_kv_heads, kvh = (w * kv_per_item) % num_kv_heads + k;
             const int64_t s = token_seq[t];
             const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // keys 0..ctx-1
             const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
@@ -526,7 +526,7 @@ void paged_attention_kv(float* out, const float* q, const T* key_cache, const T*
                 const int g = int(std::min<int64_t>(KVQ_MAX_GROUP, group - h0));
                 attend_group_kv(o + h0 * head_dim, q + (t * num_heads + kvh * group + h0) * head_dim, g, key_cache,
                                 value_cache, key_scales, value_scales, table, lo, ctx, block_size, num_kv_heads, kvh,
-                                head_dim, scale, buf);
+                                head_dim, scale, buf, k == 0 ? kv_per_item : 1);
             }
         }
     }
@@ -558,16 +558,6 @@ void write_kv_quant(const float* k, const float* v, int64_t row_stride, T* key_c
 }
 
 }  // namespace
-
-void paged_attention_kv_f16(float* out, const float* q, const uint16_t* key_cache, const uint16_t* value_cache,
-                            const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
-                            const int64_t* query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int64_t window,
-                            int nthreads) {
-    paged_attention_kv(out, q, key_cache, value_cache, nullptr, nullptr, block_tables, block_table_stride, seq_lens,
-                       query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                       window, nthreads);
-}
 
 void paged_attention_kv_i8(float* out, const float* q, const int8_t* key_cache, const int8_t* value_cache,
                            const float* key_scales, const float* value_scales, const int64_t* block_tables,
