@@ -27,7 +27,7 @@ KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float1
 # What the linears multiply: float32 (exact: the dequantized weights times fp32 activations), or
 # int8 - the opt-in fast mode, activations quantized per 32-wide block for GGUF Q4_0/Q4_1/Q8_0
 # weights (quantization/int8_activations.py, docs/quantization.md).
-ACTIVATION_DTYPES = ("float32", "int8")
+ACTIVATION_DTYPES = ("float32", "int8", "int16")
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE default.
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 
@@ -225,7 +225,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto | cpu_native | torch_sdpa | reference
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
-    activation_dtype: str = "float32"  # float32 (exact) | int8 (fast mode: integer dot products)
+    activation_dtype: str = "float32"  # float32 (exact) | int8 / int16 (fast modes: integer dot products)
     packed_weights: bool = True  # GGUF models: small batches read the quantized blocks directly
     # Quantized models: also keep an fp32 copy of the weights for big steps? auto | yes | no
     # (auto: when it takes at most a third of the available memory; quantization/placement.py)
@@ -337,7 +337,7 @@ class EngineConfig:
                 if on:
                     raise ValueError(f"{name} is not supported with tensor_parallel_size x pipeline_parallel_size > 1 yet")
             if self.activation_dtype != "float32":
-                raise ValueError("activation_dtype=int8 is not supported with tensor_parallel_size x "
+                raise ValueError(f"activation_dtype={self.activation_dtype} is not supported with tensor_parallel_size x "
                                  "pipeline_parallel_size > 1 yet")  # fmt: skip
 
     @property

@@ -1,6 +1,7 @@
 """``pagedllm bench activation-dtype``: what ``--activation-dtype int8`` costs in accuracy and buys in speed.
 
-- ``accuracy``: for each variant - ``float32`` (the reference), ``int8`` (the engine's setting)
+- ``accuracy``: for each variant - ``float32`` (the reference), ``int8`` / ``int16`` (the engine's
+  settings; ``ACT/KV`` adds a KV cache dtype, e.g. ``int16/float16``),
   ``int8-exact:NAME[+NAME]`` (int8 with those linears kept exact, e.g. ``lm_head`` or
   ``mlp.down_proj``) and ``int8-only:NAME[+NAME]`` (int8 for those linears only) - greedy agreement with float32 on the parity prompts (tokens equal before
   each prompt's first divergence, as a share; the code of ``bench kv-cache-dtype``) and the
@@ -24,12 +25,12 @@ import torch
 from pagedllm.bench.common import cpu_name
 from pagedllm.bench.kv_cache_dtype import agreement_stats, greedy_and_perplexity
 
-DEFAULT_VARIANTS = "float32,int8,int8-exact:lm_head,int8-exact:mlp.down_proj,int8-exact:lm_head+mlp.down_proj"
+DEFAULT_VARIANTS = "float32,int8,int16,int16/float16,int8-exact:lm_head,int8-exact:mlp.down_proj"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="accuracy,w1", help="comma-separated: accuracy, w1")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="accuracy part: float32, int8, int8-exact:NAME[+NAME] (comma-separated)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="accuracy part: float32, int8, int16 (each optionally /KV_CACHE_DTYPE), int8-exact:NAME[+NAME], int8-only:NAME[+NAME] (comma-separated)")
     p.add_argument("--max-tokens", type=int, default=48, help="accuracy part: greedy tokens per parity prompt")
     p.add_argument("--w1-output-len", type=int, default=32)
     p.add_argument("--w1-rounds", type=int, default=2)
@@ -37,13 +38,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_llm(engine_kwargs: dict, variant: str):
-    """A fresh engine for ``variant``: float32, int8, or int8 with some linears kept exact."""
+    """A fresh engine for ``variant``: float32, int8 or int16 (``/KV``: with that KV cache dtype),
+    or int8 with some linears kept exact."""
     from pagedllm import LLM
     from pagedllm.quantization import int8_activations
 
     kwargs = {**engine_kwargs, "log_stats_interval": 1e9}
-    if variant in ("float32", "int8"):
-        return LLM(**{**kwargs, "activation_dtype": variant})
+    act, _, kv = variant.partition("/")
+    if act in ("float32", "int8", "int16"):
+        return LLM(**{**kwargs, "activation_dtype": act, **({"kv_cache_dtype": kv} if kv else {})})
     kind, _, names = variant.partition(":")
     if kind not in ("int8-exact", "int8-only") or not names:
         raise ValueError(f"unknown variant {variant!r}: float32, int8, int8-exact:NAME[+NAME] or int8-only:NAME[+NAME]")

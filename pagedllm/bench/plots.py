@@ -66,10 +66,10 @@ def _title(prefix: str, results: list[Result]) -> str:
 
 
 def _engine_label(engine: str, r: Result) -> str:
-    """``engine (its dtype[, int8 activations])`` of one throughput result."""
+    """``engine (its dtype[, int8/int16 activations])`` of one throughput result."""
     dtype = (r.get(engine) or {}).get("dtype") or r.get("dtype")
-    if engine == "pagedllm" and r.get("activation_dtype") == "int8":
-        dtype = f"{dtype}, int8 activations"
+    if engine == "pagedllm" and r.get("activation_dtype") in ("int8", "int16"):
+        dtype = f"{dtype}, {r['activation_dtype']} activations"
     return f"{engine} ({dtype})"
 
 

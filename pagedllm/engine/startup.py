@@ -121,9 +121,10 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
             trim(model)
     if n:
         logger.info("%d fp32 linear layers run the native dense GEMM for bigger steps", n)
-    if config.activation_dtype == "int8":  # the opt-in fast mode; the layers it cannot take stay as above
+    if config.activation_dtype in ("int8", "int16"):  # the opt-in fast modes; layers they cannot take stay as above
         with times.phase("int8 panels"):
-            log_int8_report(int8_activations.convert_model(model))
+            bits = int(config.activation_dtype.removeprefix("int"))
+            log_int8_report(int8_activations.convert_model(model, bits=bits))
     # Last, so only the blocks that stay are copied (int8 activations release the ones they take).
     with times.phase("panels"):
         moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer

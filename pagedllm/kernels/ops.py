@@ -192,7 +192,7 @@ def write_kv(
         return
     load_kernels().write_kv_f32(
         _ptr(k), _ptr(v), k.stride(0), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping.contiguous()),
-        key_cache.shape[0] * key_cache.shape[1], T, Hkv * D,
+        key_cache.shape[0] * key_cache.shape[1], T, Hkv * D, torch.get_num_threads(),
     )
 
 

@@ -202,15 +202,29 @@ INT8_HEADER = {"Q4_0": 64, "Q4_1": 128, "Q8_0": 64}  # fp32 dw (and mw) of the p
 INT8_RECORD = {"Q4_0": 64 + 256, "Q4_1": 128 + 256, "Q8_0": 64 + 512}  # bytes per panel and block
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 -> (q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32): per 32-wide block,
-    q = round_half_even(x * (127 / amax)), d = amax / 127, s = the sum of q. The kernel runs the
-    same fp32 operations, so its quants are bit-identical to these."""
+ACTIVATION_LEVELS = {8: 127, 16: 32258}  # the largest quant of int8 / wide (254 * 127) activations
+
+
+def quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (q [M, K], d [M, K/32] fp32, s [M, K/32] int32): per 32-wide block,
+    q = round_half_even(x * (L / amax)), d = amax / L, s = the sum of q, with L = 127 (bits 8:
+    q int8) or 32258 (bits 16, the wide mode: q int16). The kernel runs the same fp32
+    operations, so its quants are bit-identical to these."""
+    levels = ACTIVATION_LEVELS[bits]
     xb = x.float().reshape(x.shape[0], -1, QK)
     amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.tensor(float(levels)) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).to(torch.int32)
-    return q.to(torch.int8).reshape(x.shape), amax / 127.0, q.sum(-1, dtype=torch.int32)
+    qtype = torch.int8 if bits == 8 else torch.int16
+    return q.to(qtype).reshape(x.shape), amax / float(levels), q.sum(-1, dtype=torch.int32)
+
+
+def split_wide(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wide quants q (int16, |q| <= 32258) as the kernel's two int8 halves: q = 254 * q1 + q2,
+    q1 = floor((q + 127) / 254) in [-127, 127], q2 in [-127, 126]."""
+    q32 = q.to(torch.int32)
+    q1 = torch.div(q32 + 127, 254, rounding_mode="floor")
+    return q1.to(torch.int8), (q32 - 254 * q1).to(torch.int8)
 
 
 Fields = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # quants [N, K] int16, d [N, nb], m [N, nb] | None
@@ -300,12 +314,13 @@ def int8_panel_fields(panels: torch.Tensor, qtype: str, out_features: int, in_fe
     return q.contiguous(), d.contiguous(), None if m is None else m.contiguous()
 
 
-def int8_linear(x: torch.Tensor, panels: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
-    """The twin of ``int8_gemm_f32``: x quantized as the kernel does, both sides' values in fp64,
-    one matmul, rounded to fp32. The kernel's integer block sums are exact, so it differs from
-    this only by fp32 rounding of the per-block scaling and the sum over blocks."""
+def int8_linear(x: torch.Tensor, panels: torch.Tensor, qtype: str, out_features: int, bits: int = 8) -> torch.Tensor:
+    """The twin of ``int8_gemm_f32``: x quantized as the kernel does (``bits`` 8 or 16), both
+    sides' values in fp64, one matmul, rounded to fp32. The kernel's integer block sums are
+    exact, so it differs from this only by fp32 rounding of the per-block scaling and the sum
+    over blocks."""
     k = x.shape[-1]
-    q, d, _ = quantize_activations(x.reshape(-1, k))
+    q, d, _ = quantize_activations(x.reshape(-1, k), bits)
     xd = (q.double().reshape(q.shape[0], -1, QK) * d.double()[..., None]).reshape(q.shape)
     w = dequantize_fields(int8_panel_fields(panels, qtype, out_features, k), qtype)
     return (xd @ w.T).float().reshape(*x.shape[:-1], out_features)

@@ -62,7 +62,7 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | 
     for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
         for lin in _linears(layer):
             if lin.int8 is not None:
-                return f"layer {i}'s linears take int8 activations (activation_dtype=int8)"
+                return f"layer {i}'s linears take integer activations (activation_dtype=int{lin.int8.bits})"
             if lin.packed is None or lin.qtype not in _QTYPES:
                 return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
             if lin.bias is not None:

@@ -60,7 +60,7 @@ class Linear(nn.Module):
         self.panels: torch.Tensor | None = None
         # Row segments in GGUF blocks (set_quant): each covers consecutive output rows.
         self.quant: list[QuantizedWeight] | None = None
-        # activation_dtype="int8": the weight as int8 panels (quantization/int8_activations.py).
+        # activation_dtype="int8"/"int16": the weight as int8 panels (quantization/int8_activations.py).
         # When set, it is the layer's only form and every step runs on it.
         self.int8 = None
         # LoRA (pagedllm/lora/slots.py: LinearSlots): adds each adapter row's delta to the base

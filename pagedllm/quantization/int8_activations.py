@@ -1,4 +1,5 @@
-"""``activation_dtype="int8"``: the opt-in fast mode - int8 activations x GGUF integer weights.
+"""``activation_dtype="int8"`` / ``"int16"``: the opt-in fast modes - integer activations x GGUF
+integer weights.
 
 The default (``float32``) multiplies fp32 activations by the exact dequantized weights: greedy
 parity with transformers and batch invariance hold. This mode trades that for speed, the way
@@ -8,6 +9,11 @@ minimum), and the dot products run on integer instructions (``csrc/int8_gemm.cpp
 else AVX2, else scalar) with exact int32 block sums, scaled in fp32. A row's result depends only
 on that row (its own scales), so batching still does not change answers; the quantization of x
 does (docs/quantization.md, "Fast mode", has the measured agreement and speed).
+
+``int16`` quantizes each block to 16 bits instead (levels +-32258, 256 times finer) and runs the
+same kernel twice per block, on the two int8 halves of each quant: about twice int8's dot
+products, still integer instructions, and close enough to fp32 that the greedy outputs of the
+parity prompts do not change.
 
 Everything happens here, once, after the model is loaded (``convert_model``): each eligible
 ``Linear`` gets an ``Int8Weight`` (``Linear.set_int8``), its weight repacked into the kernel's
@@ -48,8 +54,9 @@ class Int8Weight:
     """A linear's weight for the int8 kernel: row segments (a fused layer may mix Q4_0/Q4_1/Q8_0),
     each writing its columns of y."""
 
-    def __init__(self, segments: list[Int8Segment]):
+    def __init__(self, segments: list[Int8Segment], bits: int = 8):
         self.segments = segments
+        self.bits = bits  # the activations' quants: 8 (int8) or 16 (wide)
         self.out_features = sum(s.out_features for s in segments)
         self.in_features = segments[0].in_features
 
@@ -66,12 +73,12 @@ class Int8Weight:
         x2 = x.reshape(-1, self.in_features)
         if len(self.segments) == 1:
             s = self.segments[0]
-            y = int8_ops.linear(x2, s.panels, s.qtype, s.out_features)
+            y = int8_ops.linear(x2, s.panels, s.qtype, s.out_features, bits=self.bits)
         else:
             y = torch.empty(x2.shape[0], self.out_features)
             start = 0
             for s in self.segments:
-                int8_ops.linear(x2, s.panels, s.qtype, s.out_features, y[:, start : start + s.out_features])
+                int8_ops.linear(x2, s.panels, s.qtype, s.out_features, y[:, start : start + s.out_features], self.bits)
                 start += s.out_features
         if bias is not None:
             y += bias
@@ -95,8 +102,8 @@ def _fields(linear: Linear) -> list[tuple[str, reference.Fields]] | str:
     return [(s.qtype, reference.block_fields(s.data, s.qtype, s.in_features)) for s in linear.quant]
 
 
-def int8_weight(linear: Linear) -> Int8Weight | str:
-    """The layer's ``Int8Weight``, or why it cannot have one."""
+def int8_weight(linear: Linear, bits: int = 8) -> Int8Weight | str:
+    """The layer's ``Int8Weight`` (for ``bits``-bit activations), or why it cannot have one."""
     if linear.in_features % reference.QK:
         return f"{linear.in_features} inputs are not whole blocks of 32"
     found = _fields(linear)
@@ -104,7 +111,7 @@ def int8_weight(linear: Linear) -> Int8Weight | str:
         return found
     segments = [Int8Segment(qtype, reference.pack_int8_panels(f, qtype), f[0].shape[0], linear.in_features)
                 for qtype, f in found]  # fmt: skip
-    return Int8Weight(segments)
+    return Int8Weight(segments, bits)
 
 
 @dataclass
@@ -116,27 +123,29 @@ class Int8Report:
     int8_bytes: int = 0  # the int8 panels
     released_bytes: int = 0  # the converted layers' exact forms, dropped
     isa: str | None = None  # the kernel's instructions (None: the torch twin runs)
+    bits: int = 8  # the activations' quants
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.is_meta else t.numel() * t.element_size()
 
 
-def convert_model(model: nn.Module, keep_exact: tuple[str, ...] = DEFAULT_KEEP_EXACT) -> Int8Report:
+def convert_model(model: nn.Module, keep_exact: tuple[str, ...] = DEFAULT_KEEP_EXACT, bits: int = 8) -> Int8Report:
     """Give every linear with Q4_0 / Q4_1 / Q8_0 blocks (and not named in ``keep_exact``) its int8
-    weight, releasing its exact forms. Idempotent."""
-    report = Int8Report(isa=int8_ops.isa())
+    weight for ``bits``-bit activations (8, or 16: wide), releasing its exact forms. Idempotent."""
+    report = Int8Report(isa=int8_ops.isa(), bits=bits)
     for name, module in model.named_modules():
         if not hasattr(module, "set_int8"):  # not a Linear
             continue
         if module.int8 is not None:
+            module.int8.bits = bits
             report.converted[name] = module.int8.qtypes
             report.int8_bytes += module.int8.nbytes
             continue
         if any(name == k or name.endswith("." + k) for k in keep_exact):
             report.kept[name] = "kept exact (keep_exact)"
             continue
-        weight = int8_weight(module)
+        weight = int8_weight(module, bits)
         if isinstance(weight, str):
             report.kept[name] = weight
             continue
@@ -153,13 +162,15 @@ def convert_model(model: nn.Module, keep_exact: tuple[str, ...] = DEFAULT_KEEP_E
 def log_report(report: Int8Report) -> None:
     types = sorted({t for v in report.converted.values() for t in v.split("+")})
     kernel = f"integer kernel: {report.isa}" if report.isa else "no native kernel: the torch twin runs (slow)"
-    logger.info("activation_dtype=int8: %d linear layers (%s) take int8 activations (%s); int8 panels %.1f MiB, "
-                "their exact forms released (%.1f MiB)", len(report.converted), "/".join(types) or "-", kernel,
-                report.int8_bytes / 2**20, report.released_bytes / 2**20)  # fmt: skip
+    mode = f"int{report.bits}"
+    logger.info("activation_dtype=%s: %d linear layers (%s) take %s activations (%s); int8 panels %.1f MiB, "
+                "their exact forms released (%.1f MiB)", mode, len(report.converted), "/".join(types) or "-", mode,
+                kernel, report.int8_bytes / 2**20, report.released_bytes / 2**20)  # fmt: skip
     if report.kept:
         reasons: dict[str, list[str]] = {}
         for name, why in report.kept.items():
             reasons.setdefault(why, []).append(name)
         for why, names in reasons.items():
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            logger.info("activation_dtype=int8: %d linear layer(s) stay on the fp32 path (%s): %s", len(names), why, shown)
+            logger.info("activation_dtype=int%d: %d linear layer(s) stay on the fp32 path (%s): %s", report.bits,
+                        len(names), why, shown)  # fmt: skip

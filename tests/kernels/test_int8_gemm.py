@@ -1,5 +1,5 @@
-"""The fast mode's GEMM (csrc/int8_gemm.cpp): int8 activations x Q4_0/Q4_1/Q8_0 int8 panels,
-against its twin (reference.int8_linear: the same quantized x and dequantized weights, in fp64).
+"""The fast modes' GEMM (csrc/int8_gemm.cpp): int8 or wide (int16, as two int8 halves)
+activations x Q4_0/Q4_1/Q8_0 int8 panels, against its twin (reference.int8_linear: the same quantized x and dequantized weights, in fp64).
 
 The kernel's block sums are exact integers; what it rounds is the fp32 scaling of each block
 (cvt, x dw, fma with dx: ~3 roundings of a block's term) and the running sum over the K/32
@@ -57,9 +57,9 @@ def _weight(qtype: str, n: int, k: int, seed: int = 0):
     return data, fields, reference.pack_int8_panels(fields, qtype)
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _bound(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """2 x (K/32 + 3) x 2^-24 x sum_k |x_k w_k| (see the module docstring)."""
-    q, d, _ = reference.quantize_activations(x)
+    q, d, _ = reference.quantize_activations(x, bits)
     xd = (q.double().reshape(q.shape[0], -1, 32) * d.double()[..., None]).reshape(q.shape)
     return 2 * (x.shape[1] / 32 + 3) * 2.0**-24 * (xd.abs() @ w.abs().T)
 
@@ -80,41 +80,53 @@ def test_the_fields_are_the_gguf_values_and_the_panels_round_trip():
             assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(fields, g))
 
 
-def test_activation_quantization_is_the_twins(build):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_activation_quantization_is_the_twins(build, bits):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(33, 256, generator=g) * torch.logspace(-3, 2, 256)  # blocks of very different scales
     x[3, :32] = 0.0  # an all-zero block: scale 0, quants 0
     x[4, 5] = 1e4  # an outlier
-    got, want = int8_ops.quantize(x), reference.quantize_activations(x)
+    got, want = int8_ops.quantize(x, bits), reference.quantize_activations(x, bits)
     for a, b in zip(got, want):
-        assert torch.equal(a, b)
+        assert a.dtype == b.dtype and torch.equal(a, b)
     q, d, s = want
-    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    top = reference.ACTIVATION_LEVELS[bits]
+    assert int(q.abs().max()) == top and int(q.min()) >= -top
     assert torch.equal(s, q.view(33, 8, 32).sum(-1, dtype=torch.int32))
     assert float(d[3, 0]) == 0.0 and not q[3, :32].any()
 
 
+def test_wide_quants_split_into_two_int8_halves():
+    q = torch.arange(-32258, 32259, dtype=torch.int32).to(torch.int16)  # every wide quant
+    q1, q2 = reference.split_wide(q)
+    assert torch.equal(254 * q1.to(torch.int32) + q2.to(torch.int32), q.to(torch.int32))
+    assert int(q1.min()) == -127 and int(q1.max()) == 127 and int(q2.min()) == -127 and int(q2.max()) == 126
+
+
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_int8_gemm_matches_its_twin(build, qtype):
+def test_int8_gemm_matches_its_twin(build, qtype, bits):
     n, k = 45, 576  # a partly filled last panel; SmolLM2's hidden size
     _, fields, panels = _weight(qtype, n, k, seed=len(qtype))
     w = reference.dequantize_fields(fields, qtype)
     for m in ROWS:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        y = int8_ops.linear(x, panels, qtype, n)
-        want = reference.int8_linear(x, panels, qtype, n)
+        x[0, :32] *= 1e3  # a block of large values: the Q8_0 wide block sums pass 2^24
+        y = int8_ops.linear(x, panels, qtype, n, bits=bits)
+        want = reference.int8_linear(x, panels, qtype, n, bits)
         err = (y.double() - want.double()).abs()
-        bound = _bound(x, w)
+        bound = _bound(x, w, bits)
         assert (err <= bound).all(), f"M={m}: error {float(err.max()):.3g} over the bound {float(bound.min()):.3g}"
 
 
-def test_int8_gemm_writes_a_column_slice(build):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_int8_gemm_writes_a_column_slice(build, bits):
     """A fused layer's segments write their columns of one output (row stride > N)."""
     _, _, panels = _weight("Q4_1", 20, 128)
     x = torch.randn(9, 128)
     y = torch.full((9, 50), 7.0)
-    int8_ops.linear(x, panels, "Q4_1", 20, y[:, 10:30])
-    torch.testing.assert_close(y[:, 10:30], reference.int8_linear(x, panels, "Q4_1", 20), rtol=1e-5, atol=1e-4)
+    int8_ops.linear(x, panels, "Q4_1", 20, y[:, 10:30], bits)
+    torch.testing.assert_close(y[:, 10:30], reference.int8_linear(x, panels, "Q4_1", 20, bits), rtol=1e-5, atol=1e-4)
     assert (y[:, :10] == 7).all() and (y[:, 30:] == 7).all()
 
 
@@ -128,3 +140,18 @@ def test_int8_mode_stays_close_to_the_exact_product():
     amax = x.abs().view(16, 16, 32).amax(-1).double()  # [M, blocks]
     bound = amax @ w.abs().view(64, 16, 32).sum(-1).T / 254 + 1e-4
     assert ((reference.int8_linear(x, panels, "Q4_1", 64).double() - exact).abs() <= bound).all()
+
+
+def test_wide_mode_is_256_times_closer_to_the_exact_product():
+    """Wide quants are half a step of 32258 off: a dot product moves by at most
+    sum_k |w_k| * amax_block(x) / 64516, and the measured error is far below int8's."""
+    _, fields, panels = _weight("Q4_1", 64, 512)
+    w = reference.dequantize_fields(fields, "Q4_1")
+    x = torch.randn(16, 512)
+    exact = x.double() @ w.T
+    amax = x.abs().view(16, 16, 32).amax(-1).double()
+    bound = amax @ w.abs().view(64, 16, 32).sum(-1).T / 64516 + 1e-4
+    wide = (int8_ops.linear(x, panels, "Q4_1", 64, bits=16).double() - exact).abs()
+    narrow = (int8_ops.linear(x, panels, "Q4_1", 64, bits=8).double() - exact).abs()
+    assert (wide <= bound).all()
+    assert float(wide.mean()) < float(narrow.mean()) / 50

@@ -60,7 +60,7 @@ void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int6
               const float* sin_table, int64_t max_positions, int64_t T, int64_t H, int64_t Hkv, int64_t D,
               int nthreads);
 void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
-                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width);
+                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads);
 void silu_and_mul_f32(float* out, const float* gate_up, int64_t T, int64_t I, int nthreads);
 void apply_token_bitmask_f32(float* logits, int64_t logits_stride, const int64_t* rows, int64_t num_rows,
                              const int32_t* bitmask, int64_t bitmask_stride, int64_t vocab, int nthreads);
@@ -930,9 +930,12 @@ void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int6
 }
 
 // Copy each token's K and V rows ([T, Hkv*D], rows row_stride apart) into its cache slot.
+// Prefill chunks write their rows on all threads: the first write to a pool page faults it in
+// (the pool is committed on first touch), and faults taken in parallel cost half the wall time.
 void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
-                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width) {
+                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads) {
     (void)num_slots;
+#pragma omp parallel for num_threads(nthreads) if (T >= 64) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         PAGEDLLM_CHECK(0 <= slot_mapping[t] && slot_mapping[t] < num_slots, "slot %ld outside [0, %ld)",
                        long(slot_mapping[t]), long(num_slots));
@@ -1037,7 +1040,7 @@ int decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, co
         rope_f32(qkv.data(), qkv_size, kp, qkv_size, positions, cos_table, sin_table, max_positions, T, num_heads,
                  num_kv_heads, head_dim, nthreads);
         write_kv_f32(kp, vp, qkv_size, static_cast<float*>(ptr(l, 6)), static_cast<float*>(ptr(l, 7)), slot_mapping,
-                     num_slots, T, kv_size);
+                     num_slots, T, kv_size, nthreads);
         for (int64_t t = 0; t < T; t++)  // the attention kernel takes contiguous q rows
             std::memcpy(q.data() + t * q_size, qkv.data() + t * qkv_size, sizeof(float) * q_size);
         paged_attention_f32(attn.data(), q.data(), static_cast<const float*>(ptr(l, 6)),

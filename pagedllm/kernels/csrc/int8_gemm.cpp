@@ -31,12 +31,23 @@
 // Every path computes the same int32 sums; the fp32 scaling is done in the same order, so the
 // three builds agree to a few ulps (the tests compare each with the fp64 twin).
 //
+// Wide activations (activation_dtype="int16"): a block becomes Q = round_half_even(x * 32258 /
+// amax) (|Q| <= 32258 = 254 * 127), scale dx = amax / 32258, sum sx = sum Q - 256 times finer
+// than int8, and close enough to fp32 that greedy outputs match on the parity prompts. Q is split
+// into two int8 halves, Q = 254 * q1 + q2 with q1 = floor((Q + 127) / 254) in [-127, 127] and q2
+// in [-127, 126], and each half meets the weights on the same instructions as int8 activations:
+// isum = 254 * sum(q1 w) + sum(q2 w), exact in int32, then the same fp32 scaling. The offsets
+// start the q2 accumulator (at -OFFSET * sx over Q: 254 * 128 * sum q1 + 128 * sum q2 = 128 sx).
+// So the wide mode costs about twice the int8 dot products and nothing else changes.
+//
 // Work: x is quantized once per call (rows in parallel), then rows are taken in chunks that
 // stay in L2 while every thread walks its share of the panels; a panel (K/32 records, 6-18 KB
 // for K = 576-1536) stays in L1 while the chunk's rows pass over it in tiles of MR rows, each
 // tile's MR x 16 outputs in registers.
 
 #include "common.h"
+
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGEDLLM_I8_VNNI 1
@@ -45,10 +56,10 @@
 // C-API-BEGIN
 extern "C" {
 const char* int8_gemm_isa();
-void int8_quantize_rows(int8_t* q, float* d, int32_t* s, const float* x, int64_t ldx, int64_t M, int64_t K,
-                        int nthreads);
+void int8_quantize_rows(int8_t* q, int8_t* q2, float* d, int32_t* s, const float* x, int64_t ldx, int64_t M,
+                        int64_t K, int32_t act_bits, int nthreads);
 int int8_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_t* w, int32_t ggml_type, int64_t M,
-                  int64_t N, int64_t K, int nthreads);
+                  int64_t N, int64_t K, int32_t act_bits, int nthreads);
 }
 // C-API-END
 
@@ -66,7 +77,8 @@ template <int32_t T> constexpr int32_t OFFSET = T == T_Q4_0 ? 8 : 0;
 
 // x quantized: q [M][K] int8, d [M][nb] fp32, s [M][nb] int32 (row m's block b at m * nb + b).
 struct QuantX {
-    const int8_t* q;
+    const int8_t* q;   // int8 quants, or the high halves q1 of wide ones
+    const int8_t* q2;  // wide activations: the low halves (else null)
     const float* d;
     const int32_t* s;
     int64_t K, nb;
@@ -117,28 +129,87 @@ void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
     }
 }
 
+// Wide quantization (see the file comment): Q = round_half_even(x * (32258 / amax)), split as
+// 254 * q1 + q2. Scalar: the quantization is O(M K) against the GEMM's O(M N K). The floor of
+// the fp32 quotient is exact here (Q + 127 < 2^24, and a non-integer quotient is at least
+// 1/254 below the next integer), and it is what the torch twin computes with integers.
+constexpr float WIDE_LEVELS = 32258.f;  // 254 * 127
+void quantize_row_wide(int8_t* q1, int8_t* q2, float* d, int32_t* s, const float* x, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float* xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
+        const float id = amax > 0.f ? WIDE_LEVELS / amax : 0.f;
+        int32_t sum = 0;
+        int i = 0;
+#ifdef PAGEDLLM_AVX2
+        const __m256 idv = _mm256_set1_ps(id), k254f = _mm256_set1_ps(254.f);
+        const __m256i k127 = _mm256_set1_epi32(127), k254 = _mm256_set1_epi32(254);
+        __m256i vsum = _mm256_setzero_si256();
+        for (; i < QK; i += 8) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), idv));  // round to even
+            const __m256 t = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(v, k127)), k254f);
+            const __m256i hi = _mm256_cvttps_epi32(_mm256_floor_ps(t));
+            const __m256i lo = _mm256_sub_epi32(v, _mm256_mullo_epi32(hi, k254));
+            vsum = _mm256_add_epi32(vsum, v);
+            const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+            const __m128i l16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(q1 + b * QK + i), _mm_packs_epi16(h16, h16));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(q2 + b * QK + i), _mm_packs_epi16(l16, l16));
+        }
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vsum);
+        for (int32_t l : lanes) sum += l;
+#endif
+        for (; i < QK; i++) {
+            const int v = int(std::nearbyint(xb[i] * id));
+            const int hi = int(std::floor(float(v + 127) / 254.f));
+            q1[b * QK + i] = int8_t(hi);
+            q2[b * QK + i] = int8_t(v - 254 * hi);
+            sum += v;
+        }
+        s[b] = sum;
+        d[b] = amax / WIDE_LEVELS;
+    }
+}
+
 // Store `cols` of a tile row's 16 outputs.
 inline void store_row(float* y, const float* v, int cols) { std::memcpy(y, v, sizeof(float) * cols); }
 
 #if defined(PAGEDLLM_I8_VNNI)
 // MR rows of x (from row m0) against one panel: y[MR][cols]. MR is a compile-time count so
 // the 2 * MR accumulators (int32 for the block, fp32 for the row) stay in registers.
-template <int32_t T, int MR>
+typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
+inline __m512i bcast4_512(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
+
+// WIDE: x's quants come in two halves (q1 in xq.q, q2 in xq.q2); s accumulates q1 . w from 0 and
+// s2 q2 . w from the offset term, and the block's isum is 254 * s + s2.
+template <int32_t T, int MR, bool WIDE>
 void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
     __m512 acc[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     const int8_t* xr[MR];
+    const int8_t* xr2[MR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) xr[i] = xq.q + (m0 + i) * xq.K;
+    for (int i = 0; i < MR; i++) {
+        xr[i] = xq.q + (m0 + i) * xq.K;
+        xr2[i] = WIDE ? xq.q2 + (m0 + i) * xq.K : nullptr;
+    }
     for (int64_t b = 0; b < xq.nb; b++) {
         const uint8_t* rec = panel + b * RECORD<T>;
         const uint8_t* qs = rec + HEADER<T>;
-        __m512i s[MR];
+        __m512i s[MR], s2[MR];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
             const int32_t sx = xq.s[(m0 + i) * xq.nb + b];
-            s[i] = _mm512_set1_epi32(T == T_Q8_0 ? -128 * sx : -OFFSET<T> * sx);
+            const __m512i start = _mm512_set1_epi32(T == T_Q8_0 ? -128 * sx : -OFFSET<T> * sx);
+            if constexpr (WIDE) {
+                s[i] = _mm512_setzero_si512();
+                s2[i] = start;
+            } else {
+                s[i] = start;
+            }
         }
         if constexpr (T == T_Q8_0) {
             const __m512i flip = _mm512_set1_epi8(char(0x80));
@@ -147,9 +218,8 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
                 const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * g), flip);  // q + 128, unsigned
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++) {
-                    int32_t xv;
-                    std::memcpy(&xv, xr[i] + b * QK + 4 * g, 4);
-                    s[i] = _mm512_dpbusd_epi32(s[i], w, _mm512_set1_epi32(xv));
+                    s[i] = _mm512_dpbusd_epi32(s[i], w, bcast4_512(xr[i] + b * QK + 4 * g));
+                    if constexpr (WIDE) s2[i] = _mm512_dpbusd_epi32(s2[i], w, bcast4_512(xr2[i] + b * QK + 4 * g));
                 }
             }
         } else {
@@ -160,13 +230,19 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
                 const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++) {
-                    int32_t x0, x1;
-                    std::memcpy(&x0, xr[i] + b * QK + 4 * c, 4);
-                    std::memcpy(&x1, xr[i] + b * QK + 4 * (c + 4), 4);
-                    s[i] = _mm512_dpbusd_epi32(s[i], lo, _mm512_set1_epi32(x0));
-                    s[i] = _mm512_dpbusd_epi32(s[i], hi, _mm512_set1_epi32(x1));
+                    s[i] = _mm512_dpbusd_epi32(s[i], lo, bcast4_512(xr[i] + b * QK + 4 * c));
+                    s[i] = _mm512_dpbusd_epi32(s[i], hi, bcast4_512(xr[i] + b * QK + 4 * (c + 4)));
+                    if constexpr (WIDE) {
+                        s2[i] = _mm512_dpbusd_epi32(s2[i], lo, bcast4_512(xr2[i] + b * QK + 4 * c));
+                        s2[i] = _mm512_dpbusd_epi32(s2[i], hi, bcast4_512(xr2[i] + b * QK + 4 * (c + 4)));
+                    }
                 }
             }
+        }
+        if constexpr (WIDE) {
+            const __m512i k254 = _mm512_set1_epi32(254);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) s[i] = _mm512_add_epi32(_mm512_mullo_epi32(s[i], k254), s2[i]);
         }
         const __m512 dw = _mm512_loadu_ps(rec);
 #pragma GCC unroll 8
@@ -184,7 +260,7 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
 }
-constexpr int MR_MAX = 8;
+template <bool WIDE> constexpr int MR_MAX = WIDE ? 6 : 8;  // 3 * 6 or 2 * 8 accumulators (32 registers)
 
 #elif defined(PAGEDLLM_AVX2)
 inline __m256i bcast4(const int8_t* p) {
@@ -194,57 +270,72 @@ inline __m256i bcast4(const int8_t* p) {
 }
 
 // As the VNNI tile, with each panel as two 8-column halves (16 registers: MR <= 2 keeps the
-// 4 * MR accumulators, the weights and a broadcast in them).
-template <int32_t T, int MR>
+// 4 * MR accumulators, the weights and a broadcast in them; wide activations take one row).
+template <int32_t T, int MR, bool WIDE>
 void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
+    constexpr int P = WIDE ? 2 : 1;  // quant halves: p = 0 (q or q1), 1 (q2)
     __m256 acc[MR][2];
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i ones16 = _mm256_set1_epi16(1);
+    auto xrow = [&](int p, int i) { return (p == 0 ? xq.q : xq.q2) + (m0 + i) * xq.K; };
     for (int64_t b = 0; b < xq.nb; b++) {
         const uint8_t* rec = panel + b * RECORD<T>;
         const uint8_t* qs = rec + HEADER<T>;
-        __m256i s[MR][2];
+        __m256i s[P][MR][2];  // int32 sums of each half's products
         if constexpr (T == T_Q8_0) {
-            for (int i = 0; i < MR; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
+            for (int p = 0; p < P; p++)
+                for (int i = 0; i < MR; i++) s[p][i][0] = s[p][i][1] = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * g));
                 const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * g + 32));
                 const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);  // |w|
-                for (int i = 0; i < MR; i++) {
-                    const __m256i xv = bcast4(xq.q + (m0 + i) * xq.K + b * QK + 4 * g);
-                    const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0));
-                    const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
-                    s[i][0] = _mm256_add_epi32(s[i][0], _mm256_madd_epi16(p0, ones16));
-                    s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(p1, ones16));
-                }
+                for (int p = 0; p < P; p++)
+                    for (int i = 0; i < MR; i++) {
+                        const __m256i xv = bcast4(xrow(p, i) + b * QK + 4 * g);
+                        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0));
+                        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
+                        s[p][i][0] = _mm256_add_epi32(s[p][i][0], _mm256_madd_epi16(p0, ones16));
+                        s[p][i][1] = _mm256_add_epi32(s[p][i][1], _mm256_madd_epi16(p1, ones16));
+                    }
             }
         } else {
             const __m256i low = _mm256_set1_epi8(0x0F);
-            __m256i h[MR][2];  // int16 pair sums over the block's 8 groups (<= 30480: no overflow)
-            for (int i = 0; i < MR; i++) h[i][0] = h[i][1] = _mm256_setzero_si256();
+            __m256i h[P][MR][2];  // int16 pair sums over the block's 8 groups (<= 30480: no overflow)
+            for (int p = 0; p < P; p++)
+                for (int i = 0; i < MR; i++) h[p][i][0] = h[p][i][1] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
                 for (int half = 0; half < 2; half++) {
                     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * c + 32 * half));
                     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    for (int i = 0; i < MR; i++) {
-                        const int8_t* xb = xq.q + (m0 + i) * xq.K + b * QK;
-                        h[i][half] = _mm256_add_epi16(h[i][half], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
-                        h[i][half] = _mm256_add_epi16(h[i][half], _mm256_maddubs_epi16(hi, bcast4(xb + 4 * (c + 4))));
-                    }
+                    for (int p = 0; p < P; p++)
+                        for (int i = 0; i < MR; i++) {
+                            const int8_t* xb = xrow(p, i) + b * QK;
+                            h[p][i][half] = _mm256_add_epi16(h[p][i][half], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
+                            h[p][i][half] = _mm256_add_epi16(h[p][i][half], _mm256_maddubs_epi16(hi, bcast4(xb + 4 * (c + 4))));
+                        }
                 }
             }
-            for (int i = 0; i < MR; i++) {
-                const __m256i start = _mm256_set1_epi32(-OFFSET<T> * xq.s[(m0 + i) * xq.nb + b]);
-                s[i][0] = _mm256_add_epi32(start, _mm256_madd_epi16(h[i][0], ones16));
-                s[i][1] = _mm256_add_epi32(start, _mm256_madd_epi16(h[i][1], ones16));
+            for (int p = 0; p < P; p++)
+                for (int i = 0; i < MR; i++) {
+                    s[p][i][0] = _mm256_madd_epi16(h[p][i][0], ones16);
+                    s[p][i][1] = _mm256_madd_epi16(h[p][i][1], ones16);
+                }
+        }
+        for (int i = 0; i < MR; i++) {
+            // The offset term (Q4_0) joins the last half's sum; wide: isum = 254 * s[0] + s[1].
+            const __m256i start = _mm256_set1_epi32(T == T_Q8_0 ? 0 : -OFFSET<T> * xq.s[(m0 + i) * xq.nb + b]);
+            for (int c = 0; c < 2; c++) {
+                __m256i isum = _mm256_add_epi32(s[P - 1][i][c], start);
+                if constexpr (WIDE) isum = _mm256_add_epi32(_mm256_mullo_epi32(s[0][i][c], _mm256_set1_epi32(254)), isum);
+                s[0][i][c] = isum;
             }
         }
         const __m256 dw0 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
         const __m256 dw1 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8);
         for (int i = 0; i < MR; i++) {
             const __m256 dx = _mm256_set1_ps(xq.d[(m0 + i) * xq.nb + b]);
-            acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][0]), dw0), dx, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][1]), dw1), dx, acc[i][1]);
+            acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0][i][0]), dw0), dx, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0][i][1]), dw1), dx, acc[i][1]);
         }
         if constexpr (T == T_Q4_1) {
             const __m256 m0v = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64));
@@ -263,11 +354,11 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
         store_row(y + i * ldy, row, cols);
     }
 }
-constexpr int MR_MAX = 2;
+template <bool WIDE> constexpr int MR_MAX = WIDE ? 1 : 2;
 
 #else
 // Portable: the same integer sums and fp32 scaling, one row at a time.
-template <int32_t T, int MR>
+template <int32_t T, int MR, bool WIDE>
 void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
     for (int i = 0; i < MR; i++) {
         const int64_t m = m0 + i;
@@ -276,6 +367,7 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
             const uint8_t* rec = panel + b * RECORD<T>;
             const uint8_t* qs = rec + HEADER<T>;
             const int8_t* xb = xq.q + m * xq.K + b * QK;
+            const int8_t* xb2 = WIDE ? xq.q2 + m * xq.K + b * QK : nullptr;
             const int32_t sx = xq.s[m * xq.nb + b];
             float dw[COLS], mw[COLS];
             std::memcpy(dw, rec, sizeof dw);
@@ -289,7 +381,7 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
                         int q;
                         if constexpr (T == T_Q8_0) q = int8_t(qs[64 * g + 4 * j + t]);
                         else q = (qs[64 * (g % 4) + 4 * j + t] >> (4 * (g / 4))) & 0x0F;
-                        isum += q * xb[4 * g + t];
+                        isum += WIDE ? q * (254 * xb[4 * g + t] + xb2[4 * g + t]) : q * xb[4 * g + t];
                     }
                 acc[j] = std::fma(float(isum) * dw[j], dx, acc[j]);
                 if constexpr (T == T_Q4_1) acc[j] = std::fma(mw[j], xs, acc[j]);
@@ -298,17 +390,18 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
         store_row(y + i * ldy, acc, cols);
     }
 }
-constexpr int MR_MAX = 4;
+template <bool WIDE> constexpr int MR_MAX = 4;
 #endif
 
 // Rows m0..m0+rows-1 against one panel, in tiles of MR_MAX rows (then one smaller tile).
-template <int32_t T>
+template <int32_t T, bool WIDE>
 void panel_rows(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, int64_t rows, const uint8_t* panel) {
+    constexpr int MR = MR_MAX<WIDE>;
     int64_t m = m0;
-    for (; m + MR_MAX <= m0 + rows; m += MR_MAX) tile<T, MR_MAX>(y + m * ldy, ldy, cols, xq, m, panel);
+    for (; m + MR <= m0 + rows; m += MR) tile<T, MR, WIDE>(y + m * ldy, ldy, cols, xq, m, panel);
     switch (m0 + rows - m) {
 #define PAGEDLLM_TAIL(r) \
-    case r: if constexpr (r < MR_MAX) tile<T, r>(y + m * ldy, ldy, cols, xq, m, panel); break;
+    case r: if constexpr (r < MR) tile<T, r, WIDE>(y + m * ldy, ldy, cols, xq, m, panel); break;
         PAGEDLLM_TAIL(1) PAGEDLLM_TAIL(2) PAGEDLLM_TAIL(3) PAGEDLLM_TAIL(4) PAGEDLLM_TAIL(5) PAGEDLLM_TAIL(6)
         PAGEDLLM_TAIL(7)
 #undef PAGEDLLM_TAIL
@@ -317,10 +410,10 @@ void panel_rows(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, i
 }
 
 // Rows of x per pass over the panels: the chunk's quants (M_CHUNK x K bytes, <= 192 KB for
-// K = 1536) stay in L2 while the panels pass over them.
+// K = 1536; twice that when wide) stay in L2 while the panels pass over them.
 constexpr int64_t M_CHUNK = 128;
 
-template <int32_t T>
+template <int32_t T, bool WIDE>
 void gemm(float* y, int64_t ldy, const QuantX& xq, const uint8_t* w, int64_t M, int64_t N, int nthreads) {
     const int64_t num_panels = (N + COLS - 1) / COLS;
     const int64_t panel_bytes = xq.nb * RECORD<T>;
@@ -330,7 +423,7 @@ void gemm(float* y, int64_t ldy, const QuantX& xq, const uint8_t* w, int64_t M, 
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < num_panels; p++) {
             const int cols = int(std::min<int64_t>(COLS, N - p * COLS));
-            panel_rows<T>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes);
+            panel_rows<T, WIDE>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes);
         }
     }
 }
@@ -349,29 +442,39 @@ const char* int8_gemm_isa() {
 }
 
 // x [M, K] fp32 (row stride ldx) -> q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (see the
-// file comment). K % 32 == 0.
-void int8_quantize_rows(int8_t* q, float* d, int32_t* s, const float* x, int64_t ldx, int64_t M, int64_t K,
-                        int nthreads) {
+// file comment); act_bits 16: q2 [M, K] too (the low halves of the wide quants). K % 32 == 0.
+void int8_quantize_rows(int8_t* q, int8_t* q2, float* d, int32_t* s, const float* x, int64_t ldx, int64_t M,
+                        int64_t K, int32_t act_bits, int nthreads) {
     const int64_t nb = K / QK;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8)
-    for (int64_t m = 0; m < M; m++) quantize_row(q + m * K, d + m * nb, s + m * nb, x + m * ldx, K);
+    for (int64_t m = 0; m < M; m++) {
+        if (act_bits == 16) quantize_row_wide(q + m * K, q2 + m * K, d + m * nb, s + m * nb, x + m * ldx, K);
+        else quantize_row(q + m * K, d + m * nb, s + m * nb, x + m * ldx, K);
+    }
 }
 
 // y [M, N] (row stride ldy) = quantize(x) [M, K] @ W^T, W in int8 panels of `ggml_type` (Q4_0 = 2,
-// Q4_1 = 3, Q8_0 = 8; reference.pack_int8_panels). Returns 0, or -1 for another type or a K
-// that is not a multiple of 32.
+// Q4_1 = 3, Q8_0 = 8; reference.pack_int8_panels), x quantized to act_bits 8 (int8) or 16 (wide).
+// Returns 0, or -1 for another type, a K that is not a multiple of 32 or other act_bits.
 int int8_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_t* w, int32_t ggml_type, int64_t M,
-                  int64_t N, int64_t K, int nthreads) {
+                  int64_t N, int64_t K, int32_t act_bits, int nthreads) {
     if (K % QK != 0 || (ggml_type != T_Q4_0 && ggml_type != T_Q4_1 && ggml_type != T_Q8_0)) return -1;
+    if (act_bits != 8 && act_bits != 16) return -1;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / QK;
-    std::vector<int8_t> q(M * K);
+    const bool wide = act_bits == 16;
+    std::vector<int8_t> q(M * K), q2(wide ? M * K : 0);
     std::vector<float> d(M * nb);
     std::vector<int32_t> s(M * nb);
-    int8_quantize_rows(q.data(), d.data(), s.data(), x, ldx, M, K, nthreads);
-    const QuantX xq{q.data(), d.data(), s.data(), K, nb};
-    if (ggml_type == T_Q4_0) gemm<T_Q4_0>(y, ldy, xq, w, M, N, nthreads);
-    else if (ggml_type == T_Q4_1) gemm<T_Q4_1>(y, ldy, xq, w, M, N, nthreads);
-    else gemm<T_Q8_0>(y, ldy, xq, w, M, N, nthreads);
+    int8_quantize_rows(q.data(), q2.data(), d.data(), s.data(), x, ldx, M, K, act_bits, nthreads);
+    const QuantX xq{q.data(), wide ? q2.data() : nullptr, d.data(), s.data(), K, nb};
+    auto run = [&](auto wide_tag) {
+        constexpr bool W = decltype(wide_tag)::value;
+        if (ggml_type == T_Q4_0) gemm<T_Q4_0, W>(y, ldy, xq, w, M, N, nthreads);
+        else if (ggml_type == T_Q4_1) gemm<T_Q4_1, W>(y, ldy, xq, w, M, N, nthreads);
+        else gemm<T_Q8_0, W>(y, ldy, xq, w, M, N, nthreads);
+    };
+    if (wide) run(std::true_type{});
+    else run(std::false_type{});
     return 0;
 }
