@@ -182,13 +182,17 @@ inline void store_row(float* y, const float* v, int cols) { std::memcpy(y, v, si
 typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
 inline __m512i bcast4_512(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
 
-// WIDE: x's quants come in two halves (q1 in xq.q, q2 in xq.q2); s accumulates q1 . w from 0 and
-// s2 q2 . w from the offset term, and the block's isum is 254 * s + s2.
-template <int32_t T, int MR, bool WIDE>
-void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
-    __m512 acc[MR];
+// MR rows of x (from row m0) against NP adjacent panels (16 * NP columns of y; the last panel
+// has `cols` valid ones): each broadcast quadruple of x meets NP panels' weights, and MR is a
+// compile-time count so the accumulators (int32 for the block, fp32 for the row) stay in
+// registers. WIDE: x's quants come in two halves (q1 in xq.q, q2 in xq.q2); s accumulates
+// q1 . w from 0 and s2 q2 . w from the offset term, and the block's isum is 254 * s + s2.
+template <int32_t T, int MR, bool WIDE, int NP>
+void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel, int64_t panel_bytes) {
+    __m512 acc[MR][NP];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NP; j++) acc[i][j] = _mm512_setzero_ps();
     const int8_t* xr[MR];
     const int8_t* xr2[MR];
 #pragma GCC unroll 8
@@ -197,44 +201,63 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
         xr2[i] = WIDE ? xq.q2 + (m0 + i) * xq.K : nullptr;
     }
     for (int64_t b = 0; b < xq.nb; b++) {
-        const uint8_t* rec = panel + b * RECORD<T>;
-        const uint8_t* qs = rec + HEADER<T>;
-        __m512i s[MR], s2[MR];
+        const uint8_t* rec[NP];
+        for (int j = 0; j < NP; j++) rec[j] = panel + j * panel_bytes + b * RECORD<T>;
+        __m512i s[MR][NP], s2[MR][NP];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
             const int32_t sx = xq.s[(m0 + i) * xq.nb + b];
             const __m512i start = _mm512_set1_epi32(T == T_Q8_0 ? -128 * sx : -OFFSET<T> * sx);
-            if constexpr (WIDE) {
-                s[i] = _mm512_setzero_si512();
-                s2[i] = start;
-            } else {
-                s[i] = start;
+            for (int j = 0; j < NP; j++) {
+                if constexpr (WIDE) {
+                    s[i][j] = _mm512_setzero_si512();
+                    s2[i][j] = start;
+                } else {
+                    s[i][j] = start;
+                }
             }
         }
         if constexpr (T == T_Q8_0) {
             const __m512i flip = _mm512_set1_epi8(char(0x80));
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
-                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * g), flip);  // q + 128, unsigned
+                __m512i w[NP];
+                for (int j = 0; j < NP; j++)  // q + 128, unsigned
+                    w[j] = _mm512_xor_si512(_mm512_loadu_si512(rec[j] + HEADER<T> + 64 * g), flip);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++) {
-                    s[i] = _mm512_dpbusd_epi32(s[i], w, bcast4_512(xr[i] + b * QK + 4 * g));
-                    if constexpr (WIDE) s2[i] = _mm512_dpbusd_epi32(s2[i], w, bcast4_512(xr2[i] + b * QK + 4 * g));
+                    const __m512i xv = bcast4_512(xr[i] + b * QK + 4 * g);
+                    for (int j = 0; j < NP; j++) s[i][j] = _mm512_dpbusd_epi32(s[i][j], w[j], xv);
+                    if constexpr (WIDE) {
+                        const __m512i xv2 = bcast4_512(xr2[i] + b * QK + 4 * g);
+                        for (int j = 0; j < NP; j++) s2[i][j] = _mm512_dpbusd_epi32(s2[i][j], w[j], xv2);
+                    }
                 }
             }
         } else {
             const __m512i low = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512(qs + 64 * c);
-                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512i lo[NP], hi[NP];
+                for (int j = 0; j < NP; j++) {
+                    const __m512i v = _mm512_loadu_si512(rec[j] + HEADER<T> + 64 * c);
+                    lo[j] = _mm512_and_si512(v, low);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++) {
-                    s[i] = _mm512_dpbusd_epi32(s[i], lo, bcast4_512(xr[i] + b * QK + 4 * c));
-                    s[i] = _mm512_dpbusd_epi32(s[i], hi, bcast4_512(xr[i] + b * QK + 4 * (c + 4)));
+                    const __m512i x0 = bcast4_512(xr[i] + b * QK + 4 * c), x1 = bcast4_512(xr[i] + b * QK + 4 * (c + 4));
+                    for (int j = 0; j < NP; j++) {
+                        s[i][j] = _mm512_dpbusd_epi32(s[i][j], lo[j], x0);
+                        s[i][j] = _mm512_dpbusd_epi32(s[i][j], hi[j], x1);
+                    }
                     if constexpr (WIDE) {
-                        s2[i] = _mm512_dpbusd_epi32(s2[i], lo, bcast4_512(xr2[i] + b * QK + 4 * c));
-                        s2[i] = _mm512_dpbusd_epi32(s2[i], hi, bcast4_512(xr2[i] + b * QK + 4 * (c + 4)));
+                        const __m512i z0 = bcast4_512(xr2[i] + b * QK + 4 * c);
+                        const __m512i z1 = bcast4_512(xr2[i] + b * QK + 4 * (c + 4));
+                        for (int j = 0; j < NP; j++) {
+                            s2[i][j] = _mm512_dpbusd_epi32(s2[i][j], lo[j], z0);
+                            s2[i][j] = _mm512_dpbusd_epi32(s2[i][j], hi[j], z1);
+                        }
                     }
                 }
             }
@@ -242,25 +265,32 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
         if constexpr (WIDE) {
             const __m512i k254 = _mm512_set1_epi32(254);
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) s[i] = _mm512_add_epi32(_mm512_mullo_epi32(s[i], k254), s2[i]);
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < NP; j++) s[i][j] = _mm512_add_epi32(_mm512_mullo_epi32(s[i][j], k254), s2[i][j]);
         }
-        const __m512 dw = _mm512_loadu_ps(rec);
+        for (int j = 0; j < NP; j++) {
+            const __m512 dw = _mm512_loadu_ps(rec[j]);
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[i]), dw);
-            acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[(m0 + i) * xq.nb + b]), acc[i]);
-        }
-        if constexpr (T == T_Q4_1) {
-            const __m512 mw = _mm512_loadu_ps(rec + 64);
+            for (int i = 0; i < MR; i++) {
+                const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[i][j]), dw);
+                acc[i][j] = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[(m0 + i) * xq.nb + b]), acc[i][j]);
+            }
+            if constexpr (T == T_Q4_1) {
+                const __m512 mw = _mm512_loadu_ps(rec[j] + 64);
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m0 + i, b)), acc[i]);
+                for (int i = 0; i < MR; i++)
+                    acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m0 + i, b)), acc[i][j]);
+            }
         }
     }
-    const __mmask16 mask = __mmask16((1u << cols) - 1);
+    const __mmask16 last = __mmask16((1u << cols) - 1);
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NP; j++) _mm512_mask_storeu_ps(y + i * ldy + j * COLS, j == NP - 1 ? last : __mmask16(0xFFFF), acc[i][j]);
 }
-template <bool WIDE> constexpr int MR_MAX = WIDE ? 6 : 8;  // 3 * 6 or 2 * 8 accumulators (32 registers)
+// Rows per tile: (2 or 3 accumulators per row and panel) x NP within the 32 registers.
+template <bool WIDE, int NP> constexpr int MR_MAX = NP == 2 ? (WIDE ? 4 : 6) : (WIDE ? 6 : 8);
+constexpr int NP_MAX = 2;  // panels per tile
 
 #elif defined(PAGEDLLM_AVX2)
 inline __m256i bcast4(const int8_t* p) {
@@ -271,8 +301,9 @@ inline __m256i bcast4(const int8_t* p) {
 
 // As the VNNI tile, with each panel as two 8-column halves (16 registers: MR <= 2 keeps the
 // 4 * MR accumulators, the weights and a broadcast in them; wide activations take one row).
-template <int32_t T, int MR, bool WIDE>
-void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
+template <int32_t T, int MR, bool WIDE, int NP>
+void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel, int64_t) {
+    static_assert(NP == 1, "one panel per tile");
     constexpr int P = WIDE ? 2 : 1;  // quant halves: p = 0 (q or q1), 1 (q2)
     __m256 acc[MR][2];
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -354,12 +385,14 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
         store_row(y + i * ldy, row, cols);
     }
 }
-template <bool WIDE> constexpr int MR_MAX = WIDE ? 1 : 2;
+template <bool WIDE, int NP> constexpr int MR_MAX = WIDE ? 1 : 2;
+constexpr int NP_MAX = 1;
 
 #else
 // Portable: the same integer sums and fp32 scaling, one row at a time.
-template <int32_t T, int MR, bool WIDE>
-void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel) {
+template <int32_t T, int MR, bool WIDE, int NP>
+void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel, int64_t) {
+    static_assert(NP == 1, "one panel per tile");
     for (int i = 0; i < MR; i++) {
         const int64_t m = m0 + i;
         float acc[COLS] = {};
@@ -390,18 +423,20 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
         store_row(y + i * ldy, acc, cols);
     }
 }
-template <bool WIDE> constexpr int MR_MAX = 4;
+template <bool WIDE, int NP> constexpr int MR_MAX = 4;
+constexpr int NP_MAX = 1;
 #endif
 
-// Rows m0..m0+rows-1 against one panel, in tiles of MR_MAX rows (then one smaller tile).
-template <int32_t T, bool WIDE>
-void panel_rows(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, int64_t rows, const uint8_t* panel) {
-    constexpr int MR = MR_MAX<WIDE>;
+// Rows m0..m0+rows-1 against NP adjacent panels, in tiles of MR_MAX rows (then one smaller tile).
+template <int32_t T, bool WIDE, int NP>
+void panel_rows(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, int64_t rows, const uint8_t* panel,
+                int64_t panel_bytes) {
+    constexpr int MR = MR_MAX<WIDE, NP>;
     int64_t m = m0;
-    for (; m + MR <= m0 + rows; m += MR) tile<T, MR, WIDE>(y + m * ldy, ldy, cols, xq, m, panel);
+    for (; m + MR <= m0 + rows; m += MR) tile<T, MR, WIDE, NP>(y + m * ldy, ldy, cols, xq, m, panel, panel_bytes);
     switch (m0 + rows - m) {
 #define PAGEDLLM_TAIL(r) \
-    case r: if constexpr (r < MR) tile<T, r, WIDE>(y + m * ldy, ldy, cols, xq, m, panel); break;
+    case r: if constexpr (r < MR) tile<T, r, WIDE, NP>(y + m * ldy, ldy, cols, xq, m, panel, panel_bytes); break;
         PAGEDLLM_TAIL(1) PAGEDLLM_TAIL(2) PAGEDLLM_TAIL(3) PAGEDLLM_TAIL(4) PAGEDLLM_TAIL(5) PAGEDLLM_TAIL(6)
         PAGEDLLM_TAIL(7)
 #undef PAGEDLLM_TAIL
@@ -413,17 +448,23 @@ void panel_rows(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, i
 // K = 1536; twice that when wide) stay in L2 while the panels pass over them.
 constexpr int64_t M_CHUNK = 128;
 
+// Work items are NP_MAX adjacent panels (the last item of an odd count has one).
 template <int32_t T, bool WIDE>
 void gemm(float* y, int64_t ldy, const QuantX& xq, const uint8_t* w, int64_t M, int64_t N, int nthreads) {
     const int64_t num_panels = (N + COLS - 1) / COLS;
     const int64_t panel_bytes = xq.nb * RECORD<T>;
+    const int64_t items = (num_panels + NP_MAX - 1) / NP_MAX;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t rows = std::min(M_CHUNK, M - m0);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; p++) {
-            const int cols = int(std::min<int64_t>(COLS, N - p * COLS));
-            panel_rows<T, WIDE>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes);
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t p = it * NP_MAX, np = std::min<int64_t>(NP_MAX, num_panels - p);
+            const int cols = int(std::min<int64_t>(COLS, N - (p + np - 1) * COLS));  // of the item's last panel
+            if (np == 2)
+                panel_rows<T, WIDE, NP_MAX>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes, panel_bytes);
+            else
+                panel_rows<T, WIDE, 1>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes, panel_bytes);
         }
     }
 }
