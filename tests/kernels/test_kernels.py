@@ -350,6 +350,34 @@ def test_attention_of_a_token_does_not_depend_on_the_rest_of_the_step(heads, hea
     torch.testing.assert_close(full, twin, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((4, 4), 64), ((32, 1), 64)])
+def test_prefill_tiles_give_each_token_its_decode_bits(heads, head_dim):
+    """A prefill chunk is attended in tiles of several tokens per KV head: every token must get
+    the bits it gets attended alone (as a decode of the same context), cold prefix or not."""
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(5)
+    block_size, nb = 16, 64
+    kc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g)
+    vc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g)
+    # (cached prefix, chunk): a chunk from 0, one after a prefix, a short one mid-block
+    seqs = [(0, 37), (50, 70), (129, 3)]
+    tables = torch.stack([torch.randperm(nb, generator=g)[:16] for _ in seqs])
+    q = torch.randn(sum(c for _, c in seqs), num_heads, head_dim, generator=g)
+    qsl = torch.tensor([0, *torch.tensor([c for _, c in seqs]).cumsum(0).tolist()])
+    seq_lens = torch.tensor([p + c for p, c in seqs])
+    scale = head_dim**-0.5
+    chunked = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale)
+    t = 0
+    for s, (p, c) in enumerate(seqs):
+        for i in range(c):  # the same token as a one-token step of its own
+            alone = ops.paged_attention(q[t : t + 1], kc, vc, tables[s : s + 1], torch.tensor([p + i + 1]),
+                                        torch.tensor([0, 1]), scale)  # fmt: skip
+            assert torch.equal(alone[0], chunked[t]), (s, i)
+            t += 1
+    twin = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale)
+    torch.testing.assert_close(chunked, twin, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_with_an_empty_context_gives_zeros_not_a_crash():
     kc = torch.randn(4, 16, 2, 64)
     vc = torch.randn(4, 16, 2, 64)

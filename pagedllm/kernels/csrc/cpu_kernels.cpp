@@ -152,44 +152,50 @@ inline void prefetch_block(const T* cache, int64_t slot0, int64_t n, int64_t tok
     }
 }
 
-// Attention of one token's query heads for NKV consecutive KV heads (G query heads each, NKV * G
-// <= MAX_ITEM_HEADS; q/out: NKV * G consecutive rows of DV*8 floats, head h = k * G + g uses KV
-// head k) over keys start..ctx-1 reached through the block table (start > 0: a sliding window;
-// the blocks before start's are never read - they may already belong to another request).
+// Attention of NQ consecutive query tokens of one sequence (contexts ctx, ctx + 1, ...,
+// ctx + NQ - 1: a prefill chunk's tokens, or one decode token), each with the query heads of NKV
+// consecutive KV heads (G query heads each; NQ * NKV * G <= MAX_ITEM_HEADS rows). Token i's
+// head h = k * G + g (KV head k) is q[i * q_stride + h * HD]; out likewise. Keys start..ctx-1+i
+// (start > 0: a sliding window, one start for all - callers pass NQ = 1 then; the blocks before
+// start's are never read - they may already belong to another request).
 //
 // Memory: a block's rows of all NKV heads are adjacent in the cache, so an item covering every
 // KV head of its token reads each K/V block as one contiguous run, and the next block (scattered
 // elsewhere in the pool) is prefetched while this one is computed: DRAM, not latency, then bounds
-// decode. Each K/V row is fetched once for the G heads that share it (the first head brings it
-// into L1). Two passes: scores of 8 keys at a time into `scores` (one row of `sstride` floats
-// per head), softmax, then the weighted sum of V rows block by block, with each head's DV
-// accumulators parked in `accbuf` between blocks. Each head's arithmetic (its keys' order, its
-// sums) does not depend on NKV, so how heads are split into items never changes a result.
+// decode. Each K/V row is fetched once for all the rows that use it (the first brings it into
+// L1): the G heads sharing it and, in a prefill tile, the NQ tokens. Two passes: scores of 8
+// keys at a time into `scores` (one row of `sstride` floats per (token, head)), softmax, then
+// the weighted sum of V rows block by block, with each row's DV accumulators parked in `accbuf`
+// between blocks. Each row's arithmetic - its keys, their order, its sums - does not depend on
+// NQ or NKV (a token's chunk lanes past its own context are computed but never used), so how
+// the work is split into items never changes a result.
 //
 // Score chunks start at `a`: start rounded down to 8 when blocks are multiples of 8 (so a
 // chunk's 8 keys are consecutive slots of one block - start's own block), else start itself:
 //
 //     key positions:  a        start                               ctx
 //                     |  off   |<------------ L keys ------------->|
-//     scores[h]:      [masked  | softmax over these               ] (index = position - a)
+//     scores[r]:      [masked  | softmax over these               ] (index = position - a)
 template <int DV, typename T>
-void attend_heads(float* out, const float* q, int NKV, int G, const T* key_cache, const T* value_cache,
-                  const int64_t* table, int64_t start, int64_t ctx, int64_t block_size, int64_t token_stride,
-                  int64_t head_offset, float scale, float* scores, int64_t sstride) {
+void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV, int G, const T* key_cache,
+                  const T* value_cache, const int64_t* table, int64_t start, int64_t ctx0, int64_t block_size,
+                  int64_t token_stride, int64_t head_offset, float scale, float* scores, int64_t sstride) {
     constexpr int HD = DV * 8;  // head_dim
-    const int NH = NKV * G;
+    const int NH = NKV * G, NR = NQ * NH;  // rows: r = i * NH + h
     alignas(32) float qs[MAX_ITEM_HEADS][HD];
     alignas(32) float accbuf[MAX_ITEM_HEADS][HD];
-    float vmaxs[MAX_ITEM_HEADS];
-    for (int h = 0; h < NH; h++) {
-        for (int i = 0; i < HD; i++) qs[h][i] = q[h * HD + i] * scale;
-        vmaxs[h] = -3.0e38f;
+    __m256 vmax8[MAX_ITEM_HEADS];  // running maxima per lane (a max is exact in any order)
+    for (int r = 0; r < NR; r++) {
+        const float* qr = q + (r / NH) * q_stride + (r % NH) * HD;
+        for (int i = 0; i < HD; i++) qs[r][i] = qr[i] * scale;
+        vmax8[r] = _mm256_set1_ps(-3.0e38f);
     }
+    const __m256 lane_index = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    const int64_t ctx = ctx0 + NQ - 1;  // the last token's: the keys any row reads
     const int64_t row_elems = int64_t(NKV) * HD;  // one slot's elements for these heads
     const bool aligned = block_size % 8 == 0;
     const int64_t a = aligned ? start - start % 8 : start;
     const int off = int(start - a);  // leading lanes of the first chunk that precede the window
-    const int64_t L = ctx - start;
     const int64_t last_block = (ctx - 1) / block_size;
     auto block_slot = [&](int64_t b) { return table[b] * block_size; };
     prefetch_block(key_cache, block_slot(a / block_size) + a % block_size,
@@ -215,29 +221,43 @@ void attend_heads(float* out, const float* q, int NKV, int G, const T* key_cache
             }
         }
         const int first_lane = j0 == a ? off : 0;  // lanes before the window stay out of the max
-        for (int h = 0; h < NH; h++) {
-            const int64_t ko = int64_t(h / G) * HD;  // this head's KV head within the row
+        for (int r = 0; r < NR; r++) {
+            const int64_t own = ctx0 + r / NH - j0;  // this row's keys in the chunk (lanes past it: unused)
+            if (own <= 0) continue;
+            const int64_t ko = int64_t((r % NH) / G) * HD;  // this head's KV head within the row
             __m256 dots[8];
-            const __m256 q0 = _mm256_load_ps(qs[h]);
+            const __m256 q0 = _mm256_load_ps(qs[r]);
             for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j] + ko));
             for (int c = 1; c < DV; c++) {
-                const __m256 qc = _mm256_load_ps(qs[h] + 8 * c);
+                const __m256 qc = _mm256_load_ps(qs[r] + 8 * c);
                 for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + ko + 8 * c), dots[j]);
             }
-            const __m256 sv = hsum8(dots);  // lanes past n repeat a real key: harmless for the max
-            _mm256_storeu_ps(scores + h * sstride + (j0 - a), sv);
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, sv);
-            for (int j = first_lane; j < 8; j++) vmaxs[h] = std::max(vmaxs[h], lanes[j]);
+            const __m256 sv = hsum8(dots);
+            _mm256_storeu_ps(scores + r * sstride + (j0 - a), sv);
+            if (first_lane == 0 && own >= 8) {
+                vmax8[r] = _mm256_max_ps(vmax8[r], sv);
+            } else {  // lanes before the window or past this row's context stay out of the max
+                const __m256 in = _mm256_and_ps(_mm256_cmp_ps(lane_index, _mm256_set1_ps(float(first_lane)), _CMP_GE_OQ),
+                                                _mm256_cmp_ps(lane_index, _mm256_set1_ps(float(std::min<int64_t>(8, own))), _CMP_LT_OQ));
+                vmax8[r] = _mm256_max_ps(vmax8[r], _mm256_blendv_ps(_mm256_set1_ps(-3.0e38f), sv, in));
+            }
         }
     }
+    float vmaxs[MAX_ITEM_HEADS];
+    for (int r = 0; r < NR; r++) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, vmax8[r]);
+        vmaxs[r] = lanes[0];
+        for (int j = 1; j < 8; j++) vmaxs[r] = std::max(vmaxs[r], lanes[j]);
+    }
     prefetch_block(value_cache, block_slot(start / block_size) + start % block_size,
-                   std::min(block_size - start % block_size, L), token_stride, head_offset, row_elems);
-    // Softmax of each head's L scores (those of keys start..ctx-1).
+                   std::min(block_size - start % block_size, ctx - start), token_stride, head_offset, row_elems);
+    // Softmax of each row's scores (those of keys start..its context - 1).
     float sums[MAX_ITEM_HEADS];
-    for (int h = 0; h < NH; h++) {
-        float* sc = scores + h * sstride + off;
-        const __m256 mx = _mm256_set1_ps(vmaxs[h]);
+    for (int r = 0; r < NR; r++) {
+        const int64_t L = ctx0 + r / NH - start;
+        float* sc = scores + r * sstride + off;
+        const __m256 mx = _mm256_set1_ps(vmaxs[r]);
         __m256 vsum = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 8 <= L; j += 8) {
@@ -245,9 +265,9 @@ void attend_heads(float* out, const float* q, int NKV, int G, const T* key_cache
             vsum = _mm256_add_ps(vsum, e);
             _mm256_storeu_ps(sc + j, e);
         }
-        sums[h] = hsum(vsum);
-        for (; j < L; j++) { sc[j] = std::exp(sc[j] - vmaxs[h]); sums[h] += sc[j]; }
-        for (int i = 0; i < HD; i++) accbuf[h][i] = 0.f;
+        sums[r] = hsum(vsum);
+        for (; j < L; j++) { sc[j] = std::exp(sc[j] - vmaxs[r]); sums[r] += sc[j]; }
+        for (int i = 0; i < HD; i++) accbuf[r][i] = 0.f;
     }
     // Weighted sum of V rows, a block (or the window's part of the first one) at a time.
     for (int64_t j0 = start; j0 < ctx;) {
@@ -259,24 +279,26 @@ void attend_heads(float* out, const float* q, int NKV, int G, const T* key_cache
             prefetch_block(value_cache, block_slot(nb), std::min(block_size, ctx - nb * block_size), token_stride,
                            head_offset, row_elems);
         }
-        for (int h = 0; h < NH; h++) {
-            const float* p = scores + h * sstride + (j0 - a);
-            const T* vh = vb + int64_t(h / G) * HD;
+        for (int r = 0; r < NR; r++) {
+            const int64_t nr = std::min(n, ctx0 + r / NH - j0);  // this row's keys in the block
+            if (nr <= 0) continue;
+            const float* p = scores + r * sstride + (j0 - a);
+            const T* vh = vb + int64_t((r % NH) / G) * HD;
             __m256 acc[DV];
-            for (int c = 0; c < DV; c++) acc[c] = _mm256_load_ps(accbuf[h] + 8 * c);
-            for (int64_t jj = 0; jj < n; jj++) {
+            for (int c = 0; c < DV; c++) acc[c] = _mm256_load_ps(accbuf[r] + 8 * c);
+            for (int64_t jj = 0; jj < nr; jj++) {
                 const __m256 pj = _mm256_set1_ps(p[jj]);
                 const T* vr = vh + jj * token_stride;
                 for (int c = 0; c < DV; c++) acc[c] = _mm256_fmadd_ps(pj, load8(vr + 8 * c), acc[c]);
             }
-            for (int c = 0; c < DV; c++) _mm256_store_ps(accbuf[h] + 8 * c, acc[c]);
+            for (int c = 0; c < DV; c++) _mm256_store_ps(accbuf[r] + 8 * c, acc[c]);
         }
         j0 += n;
     }
-    for (int h = 0; h < NH; h++) {
-        const __m256 inv = _mm256_set1_ps(1.f / sums[h]);
-        for (int c = 0; c < DV; c++)
-            _mm256_storeu_ps(out + h * HD + 8 * c, _mm256_mul_ps(_mm256_load_ps(accbuf[h] + 8 * c), inv));
+    for (int r = 0; r < NR; r++) {
+        const __m256 inv = _mm256_set1_ps(1.f / sums[r]);
+        float* o = out + (r / NH) * q_stride + (r % NH) * HD;
+        for (int c = 0; c < DV; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_load_ps(accbuf[r] + 8 * c), inv));
     }
 }
 
@@ -342,16 +364,41 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
     std::vector<int64_t> token_seq(num_tokens);
     for (int64_t s = 0; s < num_seqs; s++)
         for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) token_seq[t] = s;
-    // Work items: a token's query heads for a run of KV heads. Decode-sized steps with enough
-    // tokens to keep every thread busy take all KV heads of a token in one item (its K/V blocks
-    // are then read as contiguous runs); otherwise one KV head per item, so even one token
-    // spreads over the threads. A group wider than MAX_ITEM_HEADS is split into rounds.
+    // Work items (built once per call):
+    // - a token's query heads for a run of KV heads. Decode-sized steps with enough tokens to
+    //   keep every thread busy take all KV heads of a token in one item (its K/V blocks are then
+    //   read as contiguous runs); otherwise one KV head per item, so even one token spreads over
+    //   the threads. A group wider than MAX_ITEM_HEADS is split into rounds.
+    // - a prefill chunk (several tokens of one sequence, no window): tiles of NQ consecutive
+    //   tokens for one KV head, so each K/V row read from L2 serves NQ tokens' G heads.
+    struct Item {
+        int64_t t, kv0, h0;  // first token, first KV head, first query head (of the first token)
+        int nq, nkv, g;
+    };
     const int64_t rounds = (group + MAX_ITEM_HEADS - 1) / MAX_ITEM_HEADS;
     const int64_t kv_per_item =
         rounds > 1 || num_tokens < 4 * int64_t(nthreads) ? 1 : std::min<int64_t>(num_kv_heads, MAX_ITEM_HEADS / group);
-    const int64_t kv_items = (num_kv_heads + kv_per_item - 1) / kv_per_item;
-    const int64_t per_token = kv_items * rounds;
-    const int64_t work = num_tokens * per_token;
+    const int tile_tokens = rounds > 1 || window > 0 ? 1 : int(MAX_ITEM_HEADS / group);
+    std::vector<Item> items;
+    items.reserve(num_tokens * num_kv_heads);
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t t0 = query_start_loc[s], t1 = query_start_loc[s + 1];
+        if (t1 - t0 > 1 && tile_tokens > 1) {
+            for (int64_t t = t0; t < t1; t += tile_tokens)
+                for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+                    items.push_back({t, kvh, kvh * group, int(std::min<int64_t>(tile_tokens, t1 - t)), 1, int(group)});
+            continue;
+        }
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += kv_per_item) {
+                const int nkv = int(std::min(kv_per_item, num_kv_heads - kv0));
+                for (int64_t r = 0; r < rounds; r++) {
+                    const int g = nkv > 1 ? int(group) : int(std::min<int64_t>(MAX_ITEM_HEADS, group - r * MAX_ITEM_HEADS));
+                    items.push_back({t, kv0, kv0 * group + r * MAX_ITEM_HEADS, 1, nkv, g});
+                }
+            }
+    }
+    const int64_t work = int64_t(items.size());
     int64_t max_ctx = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_ctx = std::max(max_ctx, seq_lens[s]);
     const int64_t sstride = (max_ctx + 15) / 8 * 8;
@@ -360,39 +407,38 @@ void paged_attention(float* out, const float* q, const T* key_cache, const T* va
         std::vector<float> scores(sstride * MAX_ITEM_HEADS);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < work; w++) {
-            const int64_t t = w / per_token, r = w % per_token;
-            const int64_t kv0 = (r / rounds) * kv_per_item, round = r % rounds;
-            const int nkv = int(std::min(kv_per_item, num_kv_heads - kv0));
-            const int64_t h0 = kv0 * group + round * MAX_ITEM_HEADS;
-            const int g = nkv > 1 ? int(group) : int(std::min<int64_t>(MAX_ITEM_HEADS, group - round * MAX_ITEM_HEADS));
-            const int64_t s = token_seq[t];
-            const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // keys 0..ctx-1
+            const Item& it = items[w];
+            const int64_t t = it.t, s = token_seq[t];
+            const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // token t's keys: 0..ctx-1
             const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // ..or start..ctx-1
             const int64_t* table = block_tables + s * block_table_stride;
-            const int64_t offset = kv0 * head_dim;
-            const float* qh = q + (t * num_heads + h0) * head_dim;
-            float* oh = out + (t * num_heads + h0) * head_dim;
+            const int64_t offset = it.kv0 * head_dim;
+            const int64_t q_stride = num_heads * head_dim;
+            const float* qh = q + t * q_stride + it.h0 * head_dim;
+            float* oh = out + t * q_stride + it.h0 * head_dim;
             if (ctx <= 0) {  // nothing to attend to (a malformed step): zeros, never a division by 0
-                std::fill(oh, oh + int64_t(nkv) * g * head_dim, 0.f);
+                for (int i = 0; i < it.nq; i++) std::fill(oh + i * q_stride, oh + i * q_stride + int64_t(it.nkv) * it.g * head_dim, 0.f);
                 continue;
             }
 #ifdef PAGEDLLM_AVX2
             if (head_dim == 64) {
-                attend_heads<8>(oh, qh, nkv, g, key_cache, value_cache, table, start, ctx, block_size, token_stride,
-                                offset, scale, scores.data(), sstride);
+                attend_heads<8>(oh, qh, q_stride, it.nq, it.nkv, it.g, key_cache, value_cache, table, start, ctx,
+                                block_size, token_stride, offset, scale, scores.data(), sstride);
                 continue;
             }
             if (head_dim == 128) {
-                attend_heads<16>(oh, qh, nkv, g, key_cache, value_cache, table, start, ctx, block_size, token_stride,
-                                 offset, scale, scores.data(), sstride);
+                attend_heads<16>(oh, qh, q_stride, it.nq, it.nkv, it.g, key_cache, value_cache, table, start, ctx,
+                                 block_size, token_stride, offset, scale, scores.data(), sstride);
                 continue;
             }
 #endif
-            for (int k = 0; k < nkv; k++)
-                for (int i = 0; i < g; i++)
-                    attend_one_generic(oh + (k * g + i) * head_dim, qh + (k * g + i) * head_dim, key_cache, value_cache,
-                                       table, start, ctx, block_size, token_stride, offset + k * head_dim, head_dim,
-                                       scale, scores);
+            for (int i = 0; i < it.nq; i++)
+                for (int k = 0; k < it.nkv; k++)
+                    for (int j = 0; j < it.g; j++) {
+                        const int64_t at = i * q_stride + (k * it.g + j) * head_dim;
+                        attend_one_generic(oh + at, qh + at, key_cache, value_cache, table, start, ctx + i, block_size,
+                                           token_stride, offset + k * head_dim, head_dim, scale, scores);
+                    }
         }
     }
 }
