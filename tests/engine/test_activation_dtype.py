@@ -1,5 +1,6 @@
-"""``activation_dtype="int8"``: the opt-in fast mode reaches the linears, runs the integer kernel
-(or its twin), and keeps the model answering; bad values are refused by name."""
+"""``activation_dtype="int8"`` / ``"int16"``: the opt-in fast modes reach the linears, run the
+integer kernel (or its twin), and keep the model answering (int16: with fp32's greedy tokens);
+bad values are refused by name."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_the_decoder_linears_take_int8_activations(int4_engines):
             assert lin.weight is None and lin.panels is None and lin.packed is None  # released
     assert model.lm_head.int8 is None and model.lm_head.panels is not None  # checkpoint precision: no blocks
     caches = fast.llm_engine.runner.kv_caches
-    assert "int8 activations" in fused_stack.why_not(model, caches)
+    assert "activation_dtype=int8" in fused_stack.why_not(model, caches)
     assert all(m.int8 is None for m in exact.llm_engine.runner.model.modules() if isinstance(m, Linear))
 
 
@@ -84,7 +85,7 @@ def test_int8_activations_stay_close_to_fp32_on_a_tiny_model(int4_engines):
 
 
 @pytest.mark.slow
-def test_the_default_model_answers_in_int8_mode():
+def test_the_default_model_answers_in_int8_mode_and_keeps_its_greedy_text_in_int16():
     """SmolLM2-135M Q4_1. int8 activations move its logits by a few hundredths of a nat: near-ties
     flip (this small model's first answer token is often one: "The" vs "L'" at a 0.08-nat gap) and
     the greedy text then takes another path, but the model is as good: measured on the parity
@@ -106,3 +107,10 @@ def test_the_default_model_answers_in_int8_mode():
                                      add_generation_prompt=True)  # fmt: skip
     (out,) = fast.generate(prompt + "The", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert "Rome" in out.outputs[0].text
+    # int16 quants are 256 times finer: measured 100% agreement (10/10 prompts identical) and
+    # perplexity +0.003%; asserted at the performance issue's bar, >= 95%.
+    del fast
+    wide = LLM(activation_dtype="int16", **kw)
+    got16, ppl16 = greedy_and_perplexity(wide, 48)
+    assert agreement_stats(got16, want)["agreement_pct"] >= 95
+    assert abs(ppl16 / ppl_exact - 1) < 0.001
