@@ -117,15 +117,17 @@ inline void axpy(float* y, float alpha, const T* x, int n) {
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const f16_t* p) {
-#ifdef __F16C__
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// 8 fp16 values widened (exactly) to fp32 (also the GGUF GEMM's scales, below).
+inline __m256 load_f16x8(const uint16_t* h) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 #else
-    alignas(32) float t[8];
-    for (int i = 0; i < 8; i++) t[i] = to_f32(p[i]);
-    return _mm256_load_ps(t);
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; i++) f[i] = pagedllm_f16_to_f32(h[i]);
+    return _mm256_load_ps(f);
 #endif
 }
+inline __m256 load8(const f16_t* p) { return load_f16x8(&p->bits); }
 inline __m256 load8(const bf16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -530,16 +532,6 @@ inline void weights16(const GroupQ8_0& g, int k, float* w) {
 // A group-block's scales (and minima) held in registers while its 32 k pass.
 struct ScalesQ4_1 { __m256 d0, d1, m0, m1; };
 struct ScalesQ8_0 { __m256 d0, d1; };
-// 8 fp16 values widened (exactly) to fp32.
-inline __m256 load_f16x8(const uint16_t* h) {
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-#else
-    alignas(32) float f[8];
-    for (int i = 0; i < 8; i++) f[i] = pagedllm_f16_to_f32(h[i]);
-    return _mm256_load_ps(f);
-#endif
-}
 inline ScalesQ4_1 scales(const GroupQ4_1& g) {
     return {load_f16x8(g.d), load_f16x8(g.d + 8), load_f16x8(g.m), load_f16x8(g.m + 8)};
 }
