@@ -43,7 +43,8 @@
 // Work: x is quantized once per call (rows in parallel), then rows are taken in chunks that
 // stay in L2 while every thread walks its share of the panels; a panel (K/32 records, 6-18 KB
 // for K = 576-1536) stays in L1 while the chunk's rows pass over it in tiles of MR rows, each
-// tile's MR x 16 outputs in registers.
+// tile's outputs in registers. On VNNI a tile spans two adjacent panels (MR x 32 outputs: 6
+// rows, 4 when wide), so each broadcast of x's quants feeds two weight vectors.
 
 #include "common.h"
 
