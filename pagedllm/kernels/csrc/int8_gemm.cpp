@@ -48,6 +48,7 @@
 
 #include "common.h"
 
+#include <memory>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -505,11 +506,30 @@ int int8_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const uint
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / QK;
     const bool wide = act_bits == 16;
-    std::vector<int8_t> q(M * K), q2(wide ? M * K : 0);
-    std::vector<float> d(M * nb);
-    std::vector<int32_t> s(M * nb);
-    int8_quantize_rows(q.data(), q2.data(), d.data(), s.data(), x, ldx, M, K, act_bits, nthreads);
-    const QuantX xq{q.data(), wide ? q2.data() : nullptr, d.data(), s.data(), K, nb};
+    // x's quants live in buffers kept per calling thread and only ever grown: a prefill chunk's
+    // are megabytes, and fresh vectors would be zero-filled (and their pages faulted in) on
+    // every call, for every linear of every layer.
+    struct Buffers {
+        std::unique_ptr<int8_t[]> q;
+        std::unique_ptr<float[]> d;
+        std::unique_ptr<int32_t[]> s;
+        int64_t q_bytes = 0, blocks = 0;
+    };
+    thread_local Buffers buf;
+    const int64_t q_bytes = M * K * (wide ? 2 : 1);
+    if (buf.q_bytes < q_bytes) {
+        buf.q.reset(new int8_t[q_bytes]);
+        buf.q_bytes = q_bytes;
+    }
+    if (buf.blocks < M * nb) {
+        buf.d.reset(new float[M * nb]);
+        buf.s.reset(new int32_t[M * nb]);
+        buf.blocks = M * nb;
+    }
+    int8_t* q = buf.q.get();
+    int8_t* q2 = wide ? q + M * K : nullptr;
+    int8_quantize_rows(q, q2, buf.d.get(), buf.s.get(), x, ldx, M, K, act_bits, nthreads);
+    const QuantX xq{q, q2, buf.d.get(), buf.s.get(), K, nb};
     auto run = [&](auto wide_tag) {
         constexpr bool W = decltype(wide_tag)::value;
         if (ggml_type == T_Q4_0) gemm<T_Q4_0, W>(y, ldy, xq, w, M, N, nthreads);
