@@ -10,6 +10,28 @@
 #include <omp.h>
 #include <cstdio>
 #include <cstdlib>
+
+// Software prefetches for the attention loops: cache lines `n` rows of `row_bytes` each,
+// `stride_bytes` apart, into L1 (PREFETCH_L1: prefetcht0) or L2 (PREFETCH_L2: prefetcht1). As
+// inline asm: GCC 12 deleted every __builtin_prefetch / _mm_prefetch of those loops at -O1 and
+// up (seen in their assembly).
+enum PrefetchLevel { PREFETCH_L1, PREFETCH_L2 };
+template <PrefetchLevel LEVEL>
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+    if constexpr (LEVEL == PREFETCH_L1) asm volatile("prefetcht0 %0" : : "m"(*p));
+    else asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 0, LEVEL == PREFETCH_L1 ? 3 : 2);
+#endif
+}
+template <PrefetchLevel LEVEL>
+inline void prefetch_rows(const void* base, int64_t n, int64_t stride_bytes, int64_t row_bytes) {
+    const char* p = static_cast<const char*>(base);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t off = 0; off < row_bytes; off += 64) prefetch_line<LEVEL>(p + r * stride_bytes + off);
+}
+
 // The instruction sets are chosen when the library is built for this CPU (build.py: -march=native
 // on first use, cached per CPU): PAGEDLLM_AVX2 for AVX2 + FMA (Haswell, Zen), PAGEDLLM_AVX512 on
 // top of it for AVX-512 F/BW/DQ/VL (Skylake-SP, Ice Lake, Sapphire Rapids, Zen 4). Every

@@ -133,25 +133,13 @@ inline __m256 load8(const bf16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-// A software prefetch into L1. As inline asm: GCC deletes __builtin_prefetch / _mm_prefetch in
-// these loops at -O1 and up (kv_quant_attention.cpp has the same helper).
-inline void prefetch_l1(const void* p) {
-#if defined(__x86_64__) || defined(__i386__)
-    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-    __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-// The rows of `nkv` consecutive KV heads (from `head_offset`) in block slots slot0..slot0+n-1.
+// The rows (row_elems from `head_offset`: some adjacent KV heads) of block slots slot0..slot0+n-1,
+// into L2 (measured faster here than into L1, which these loops' working set would churn).
 template <typename T>
 inline void prefetch_block(const T* cache, int64_t slot0, int64_t n, int64_t token_stride, int64_t head_offset,
                            int64_t row_elems) {
-    const int64_t bytes = row_elems * int64_t(sizeof(T));
-    for (int64_t r = 0; r < n; r++) {
-        const char* p = reinterpret_cast<const char*>(cache + (slot0 + r) * token_stride + head_offset);
-        for (int64_t off = 0; off < bytes; off += 64) prefetch_l1(p + off);
-    }
+    prefetch_rows<PREFETCH_L2>(cache + slot0 * token_stride + head_offset, n, token_stride * int64_t(sizeof(T)),
+                               row_elems * int64_t(sizeof(T)));
 }
 
 // Attention of NQ consecutive query tokens of one sequence (contexts ctx, ctx + 1, ...,

@@ -115,21 +115,6 @@ tail:
     for (; i < D; i++) dst[i] = s * widen(src[i]);
 }
 
-// A software prefetch into L1. As inline asm: GCC 12 deleted every __builtin_prefetch /
-// _mm_prefetch of the attention loop below at -O1 and up (seen in its assembly).
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__) || defined(__i386__)
-    asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-    __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-inline void prefetch_rows(const void* base, int64_t n, int64_t stride_bytes, int64_t row_bytes) {
-    const char* p = static_cast<const char*>(base);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t off = 0; off < row_bytes; off += 64) prefetch_line(p + r * stride_bytes + off);
-}
 
 #ifdef PAGEDLLM_AVX2
 // scores[j] = q . tile[j] for rows j in [lo, hi) of a tile (rows of DV*8 floats). Eight rows per
@@ -348,9 +333,9 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     // item's first head fetches them for the others into L2), and its scales (all heads').
     auto prefetch_block = [&](const T* cache, const float* scales, int64_t b) {
         if (b >= b_hi) return;
-        prefetch_rows(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes * prefetch_heads);
+        prefetch_rows<PREFETCH_L1>(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes * prefetch_heads);
         if (scales != nullptr)
-            prefetch_rows(scales + row_index(table[b], 0), 1, 0, block_size * num_kv_heads * int64_t(sizeof(float)));
+            prefetch_rows<PREFETCH_L1>(scales + row_index(table[b], 0), 1, 0, block_size * num_kv_heads * int64_t(sizeof(float)));
     };
     // Pass 1: scores, block by block.
     float vmax[KVQ_MAX_GROUP];
