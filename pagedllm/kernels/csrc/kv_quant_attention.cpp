@@ -495,23 +495,24 @@ void paged_attention_kv(float* out, const float* q, const T* key_cache, const T*
     {
         Scratch buf;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < work; w++)
-        for (int64_t k = 0; k < kv_per_item; k++) {
-            const int64_t t = w * kv_per_item / num_kv_heads, kvh = (w * kv_per_item) % num_kv_heads + k;
+        for (int64_t w = 0; w < work; w++) {
+            const int64_t t = w * kv_per_item / num_kv_heads, kv_first = (w * kv_per_item) % num_kv_heads;
             const int64_t s = token_seq[t];
             const int64_t ctx = seq_lens[s] - (query_start_loc[s + 1] - 1 - t);  // keys 0..ctx-1
             const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-            float* o = out + (t * num_heads + kvh * group) * head_dim;
-            if (ctx <= 0) {  // nothing to attend to (a malformed step): zeros, never a division by 0
-                std::fill(o, o + group * head_dim, 0.f);
-                continue;
-            }
             const int64_t* table = block_tables + s * block_table_stride;
-            for (int64_t h0 = 0; h0 < group; h0 += KVQ_MAX_GROUP) {
-                const int g = int(std::min<int64_t>(KVQ_MAX_GROUP, group - h0));
-                attend_group_kv(o + h0 * head_dim, q + (t * num_heads + kvh * group + h0) * head_dim, g, key_cache,
-                                value_cache, key_scales, value_scales, table, lo, ctx, block_size, num_kv_heads, kvh,
-                                head_dim, scale, buf, k == 0 ? kv_per_item : 1);
+            for (int64_t kvh = kv_first; kvh < kv_first + kv_per_item; kvh++) {
+                float* o = out + (t * num_heads + kvh * group) * head_dim;
+                if (ctx <= 0) {  // nothing to attend to (a malformed step): zeros, never a division by 0
+                    std::fill(o, o + group * head_dim, 0.f);
+                    continue;
+                }
+                for (int64_t h0 = 0; h0 < group; h0 += KVQ_MAX_GROUP) {
+                    const int g = int(std::min<int64_t>(KVQ_MAX_GROUP, group - h0));
+                    attend_group_kv(o + h0 * head_dim, q + (t * num_heads + kvh * group + h0) * head_dim, g, key_cache,
+                                    value_cache, key_scales, value_scales, table, lo, ctx, block_size, num_kv_heads, kvh,
+                                    head_dim, scale, buf, kvh == kv_first ? kv_per_item : 1);
+                }
             }
         }
     }
