@@ -6,10 +6,11 @@ GGUF block layouts (32 weights per block, along the input dimension):
   Q8_0: fp16 scale d, 32 int8; weight j = d * q_j.
 
 The kernels read a regrouped copy (``group_blocks``): rows in groups of 16 (zero rows pad the
-last group) and, for each block index, the 16 rows' fp16 scales (and minima) followed by, for
-each of the 32 k, the 16 rows' quants side by side - Q4_1: 16x2 + 16x2 + 32x8 = 320 bytes
-(byte j of a k holds row j in its low nibble and row j + 8 in its high one), Q8_0: 16x2 +
-32x16 = 544 bytes. The kernel can then vectorise over output rows with k sequential.
+last group) and, for each block index, the 16 rows' fp16 scales (and minima) followed by the
+16 rows' quants of the 32 k - Q4_1: 16x2 + 16x2 + 32x8 = 320 bytes, in 8 chunks of 4 k, each
+chunk 8 words of 4 bytes: byte t of word j holds k = 4c + t of row j in its low nibble and of
+row j + 8 in its high one (a word is one vector lane for 4 columns); Q8_0: 16x2 + 32x16 = 544
+bytes, k by k, 16 int8 each. The kernel can then vectorise over output rows with k sequential.
 """
 
 from __future__ import annotations
@@ -64,11 +65,19 @@ def group_blocks(packed: torch.Tensor, qtype: str, out_features: int, in_feature
     qs = _split(blocks, qtype)[0]
     q = _quants(qs, qtype).transpose(-1, -2)  # [G, nb, 32 (k), 16 (rows)]
     if qtype == "Q4_1":
-        q = q[..., :8] | (q[..., 8:] << 4)
+        q = q[..., :8] | (q[..., 8:] << 4)  # [G, nb, 32 (k), 8 (row pairs)]
+        q = q.reshape(groups, nb, QK // 4, 4, 8).transpose(-1, -2)  # [G, nb, 8 (chunk), 8 (word), 4 (byte)]
     q = q.to(torch.uint8 if qtype == "Q4_1" else torch.int8).contiguous().view(torch.uint8).reshape(groups, nb, -1)
     halves = [blocks[..., 0:2]] + ([blocks[..., 2:4]] if qtype == "Q4_1" else [])  # fp16 d (and m) bytes
     out = [h.reshape(groups, nb, 2 * GROUP_ROWS) for h in halves]
     return torch.cat([*out, q], dim=-1).contiguous()
+
+
+def _grouped_q4_1_quants(qbytes: torch.Tensor) -> torch.Tensor:
+    """The quants [G, nb, 32 (k), 16 (rows)] (int16) of Q4_1 group-blocks' quant bytes [G, nb, 256]."""
+    b = qbytes.reshape(*qbytes.shape[:2], QK // 4, 8, 4).transpose(-1, -2).reshape(*qbytes.shape[:2], QK, 8)
+    b = b.to(torch.int16)
+    return torch.cat([b & 0x0F, b >> 4], dim=-1)
 
 
 def dequantize_grouped(grouped: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
@@ -81,8 +90,7 @@ def dequantize_grouped(grouped: torch.Tensor, qtype: str, out_features: int, in_
     m = g[..., 32:64].contiguous().view(torch.float16).float() if qtype == "Q4_1" else torch.zeros_like(d)
     qbytes = g[..., 64:] if qtype == "Q4_1" else g[..., 32:]
     if qtype == "Q4_1":
-        b = qbytes.reshape(*g.shape[:2], QK, 8).to(torch.int16)
-        q = torch.cat([b & 0x0F, b >> 4], dim=-1)  # [G, nb, 32, 16]
+        q = _grouped_q4_1_quants(qbytes)  # [G, nb, 32, 16]
     else:
         q = qbytes.contiguous().view(torch.int8).reshape(*g.shape[:2], QK, GROUP_ROWS)
     w = q.float() * d[:, :, None, :] + m[:, :, None, :]  # [G, nb, 32 (k), 16 (rows)]
@@ -252,8 +260,7 @@ def grouped_fields(grouped: torch.Tensor, qtype: str, out_features: int, in_feat
     d = g[..., :32].contiguous().view(torch.float16).float()  # [G, nb, 16]
     m = g[..., 32:64].contiguous().view(torch.float16).float() if qtype == "Q4_1" else None
     if qtype == "Q4_1":
-        b = g[..., 64:].reshape(*g.shape[:2], QK, 8).to(torch.int16)
-        q = torch.cat([b & 0x0F, b >> 4], dim=-1)  # [G, nb, 32 (k), 16 (rows)]
+        q = _grouped_q4_1_quants(g[..., 64:])  # [G, nb, 32 (k), 16 (rows)]
     else:
         q = g[..., 32:].contiguous().view(torch.int8).reshape(*g.shape[:2], QK, GROUP_ROWS).to(torch.int16)
     rows = lambda t: t.permute(0, 2, 1).reshape(-1, nb)[:out_features]  # noqa: E731  [G, nb, 16] -> [N, nb]

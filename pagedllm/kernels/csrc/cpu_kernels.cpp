@@ -472,8 +472,9 @@ void paged_attention_kv_f16(float* out, const float* q, const uint16_t* key_cach
 //   Q4_1: fp16 d, fp16 m, 16 bytes: weight i = d * nibble_i + m; byte j holds i=j (low) and i=j+16 (high)
 //   Q8_0: fp16 d, 32 int8:          weight i = d * q_i
 // At load time the blocks are regrouped (pagedllm/kernels/reference.py: group_blocks): output
-// rows in groups of 16 and, per block index, the 16 rows' fp16 scales (and minima), then for
-// each k the 16 rows' quants side by side. The kernel vectorises over output columns and keeps
+// rows in groups of 16 and, per block index, the 16 rows' fp16 scales (and minima), then the
+// 16 rows' quants of every k (Q4_1: in chunks of 4 k, one 32-bit word per row pair, below).
+// The kernel vectorises over output columns and keeps
 // k sequential: each y[m, n] is acc = fma(x[m, k], w[n, k], acc) for k = 0, 1, ..., K-1 from 0,
 // exactly the dense GEMM's order below, and w = d * q + m is exact in its product (an fp16
 // scale times a 4- or 8-bit integer fits fp32's mantissa), so it equals the fp32 copy's weight.
@@ -485,21 +486,29 @@ namespace {
 constexpr int QK = 32;
 constexpr int GROUP_ROWS = 16;
 
-// qs[k][j]: Q4_1 row j in the low nibble, row j + 8 in the high one; Q8_0 row j.
+// Q4_1: qs[c][j][t] holds k = 4c + t of row j (low nibble) and of row j + 8 (high nibble), so
+// the 4-byte word qs[c][j] is rows j and j + 8 over 4 consecutive k: one 32-byte load gives a
+// vector lane per row for 4 columns, and each column's nibble is one AND away (no widening
+// shuffle or shift per column; see weights_of_chunk). Q8_0: qs[k][j] is row j.
 // d, m: fp16 as in the file (0.625 and 1.06 bytes per weight).
-struct GroupQ4_1 { uint16_t d[GROUP_ROWS]; uint16_t m[GROUP_ROWS]; uint8_t qs[QK][GROUP_ROWS / 2]; };
+struct GroupQ4_1 { uint16_t d[GROUP_ROWS]; uint16_t m[GROUP_ROWS]; uint8_t qs[QK / 4][GROUP_ROWS / 2][4]; };
 struct GroupQ8_0 { uint16_t d[GROUP_ROWS]; int8_t qs[QK][GROUP_ROWS]; };
 static_assert(sizeof(GroupQ4_1) == 320, "Q4_1 group-block is 320 bytes");
 static_assert(sizeof(GroupQ8_0) == 544, "Q8_0 group-block is 544 bytes");
 
 // One row's step streams every weight from DRAM once, and the hardware prefetcher alone kept
 // a core at ~8 GB/s of it (the same kernel reads ~12 GB/s from L3): ask for the group-block a
-// few ahead of the one being multiplied, all its cache lines.
+// few ahead of the one being multiplied, all its cache lines. A tile reads NG streams (its
+// groups, nb blocks apart); near a stream's end the blocks ahead are those of the same stream
+// of the next tile (the thread's next item: its items are consecutive), so that tile starts
+// on prefetched data too - with K = 576 a tile is only 18 blocks per stream.
 constexpr int PREFETCH_BLOCKS = 3;
-template <typename Group>
-inline void prefetch_ahead(const Group* g) {
+template <int NG, typename Group>
+inline void prefetch_ahead(const Group* grp, int g, int64_t b, int64_t nb) {
     if constexpr (PREFETCH_BLOCKS > 0) {
-        const char* p = reinterpret_cast<const char*>(g + PREFETCH_BLOCKS);
+        int64_t ahead = g * nb + b + PREFETCH_BLOCKS;
+        if (b + PREFETCH_BLOCKS >= nb) ahead += (NG - 1) * nb;
+        const char* p = reinterpret_cast<const char*>(grp + ahead);
         for (size_t off = 0; off < sizeof(Group); off += 64) __builtin_prefetch(p + off, 0, 3);
     }
 }
@@ -507,7 +516,8 @@ inline void prefetch_ahead(const Group* g) {
 // The 16 weights of column k of a group-block (scalar path).
 inline void weights16(const GroupQ4_1& g, int k, float* w) {
     for (int j = 0; j < 8; j++) {
-        const int q[2] = {g.qs[k][j] & 0x0f, g.qs[k][j] >> 4};
+        const uint8_t byte = g.qs[k / 4][j][k % 4];
+        const int q[2] = {byte & 0x0f, byte >> 4};
         for (int h = 0; h < 2; h++)
             w[j + 8 * h] = float(q[h]) * pagedllm_f16_to_f32(g.d[j + 8 * h]) + pagedllm_f16_to_f32(g.m[j + 8 * h]);
     }
@@ -517,19 +527,34 @@ inline void weights16(const GroupQ8_0& g, int k, float* w) {
 }
 
 #ifdef PAGEDLLM_AVX2
-// A group-block's scales (and minima) held in registers while its 32 k pass.
-struct ScalesQ4_1 { __m256 d0, d1, m0, m1; };
+// A Q8_0 group-block's scales held in registers while its 32 k pass.
 struct ScalesQ8_0 { __m256 d0, d1; };
-inline ScalesQ4_1 scales(const GroupQ4_1& g) {
-    return {load_f16x8(g.d), load_f16x8(g.d + 8), load_f16x8(g.m), load_f16x8(g.m + 8)};
-}
 inline ScalesQ8_0 scales(const GroupQ8_0& g) { return {load_f16x8(g.d), load_f16x8(g.d + 8)}; }
 
-// The 16 weights of column k as two vectors (rows 0-7, 8-15).
-inline void weights16(const GroupQ4_1& g, const ScalesQ4_1& s, int k, __m256& w0, __m256& w1) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g.qs[k])));
-    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0f))), s.d0, s.m0);
-    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s.d1, s.m1);
+// Q4_1 by chunks of 4 columns. Lane j of `lo` (`hi`: the word shifted down a nibble) holds
+// row j's (row j + 8's) quant of column 4c + t in bits 8t..8t+3, so AND with 0xF << 8t gives
+// q * 2^(8t) exactly, and fma(q * 2^(8t), d * 2^(-8t), m) = fma(q, d, m) bit for bit: both
+// products are exact (a power of two changes neither mantissa; d * 2^-24 of the smallest fp16
+// is still a normal fp32), so the one rounding is the same. The scales d * 2^(-8t) of a
+// group-block are made once per block (ChunkScalesQ4_1).
+struct ChunkScalesQ4_1 { __m256 d[4][2]; __m256 m0, m1; };
+inline ChunkScalesQ4_1 chunk_scales(const GroupQ4_1& g) {
+    ChunkScalesQ4_1 s;
+    const __m256 d0 = load_f16x8(g.d), d1 = load_f16x8(g.d + 8);
+    for (int t = 0; t < 4; t++) {
+        const __m256 p = _mm256_set1_ps(1.f / float(1 << (8 * t)));
+        s.d[t][0] = _mm256_mul_ps(d0, p);
+        s.d[t][1] = _mm256_mul_ps(d1, p);
+    }
+    s.m0 = load_f16x8(g.m);
+    s.m1 = load_f16x8(g.m + 8);
+    return s;
+}
+template <int t>
+inline void weights_of_chunk(__m256i lo, __m256i hi, const ChunkScalesQ4_1& s, __m256& w0, __m256& w1) {
+    const __m256i mask = _mm256_set1_epi32(0x0f << (8 * t));
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), s.d[t][0], s.m0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(hi, mask)), s.d[t][1], s.m1);
 }
 inline void weights16(const GroupQ8_0& g, const ScalesQ8_0& s, int k, __m256& w0, __m256& w1) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g.qs[k]));
@@ -541,23 +566,30 @@ inline void weights16(const GroupQ8_0& g, const ScalesQ8_0& s, int k, __m256& w0
 #ifdef PAGEDLLM_AVX512
 // AVX-512: a group-block's 16 rows are one zmm, so a column's 16 weights cost one widening, one
 // convert and one FMA (AVX2: two of each), and a tile can hold more rows.
-struct Scales512Q4_1 { __m512 d, m; };
 struct Scales512Q8_0 { __m512 d; };
 inline __m512 load_f16x16(const uint16_t* h) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
-inline Scales512Q4_1 scales512(const GroupQ4_1& g) { return {load_f16x16(g.d), load_f16x16(g.m)}; }
 inline Scales512Q8_0 scales512(const GroupQ8_0& g) { return {load_f16x16(g.d)}; }
 
-// The 16 weights of column k: the 8 bytes twice (lanes 0-7 and 8-15), lanes 8-15 shifted down
-// a nibble, so lane j holds row j's quant; then d * q + m with one FMA, as the AVX2 path does.
-inline __m512 weights16(const GroupQ4_1& g, const Scales512Q4_1& s, int k) {
-    int64_t raw;
-    std::memcpy(&raw, g.qs[k], 8);
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_set1_epi64x(raw));
-    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(0x0f));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s.d, s.m);
+// Q4_1 by chunks of 4 columns, as the AVX2 path (chunk_scales): the chunk's 8 words twice,
+// lanes 8-15 shifted down a nibble, so lane j holds row j's quants of the 4 columns, column
+// 4c + t in bits 8t..8t+3; AND gives q * 2^(8t), and the scale d * 2^(-8t) undoes it exactly.
+struct ChunkScales512Q4_1 { __m512 d[4]; __m512 m; };
+inline ChunkScales512Q4_1 chunk_scales512(const GroupQ4_1& g) {
+    ChunkScales512Q4_1 s;
+    const __m512 d = load_f16x16(g.d);
+    for (int t = 0; t < 4; t++) s.d[t] = _mm512_mul_ps(d, _mm512_set1_ps(1.f / float(1 << (8 * t))));
+    s.m = load_f16x16(g.m);
+    return s;
+}
+inline __m512i chunk_words512(const GroupQ4_1& g, int c) {
+    const __m512i words = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.qs[c])));
+    return _mm512_srlv_epi32(words, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+}
+inline __m512 weights_of_chunk512(__m512i words, const ChunkScales512Q4_1& s, int t) {
+    const __m512i q = _mm512_and_si512(words, _mm512_set1_epi32(0x0f << (8 * t)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s.d[t], s.m);
 }
 inline __m512 weights16(const GroupQ8_0& g, const Scales512Q8_0& s, int k) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g.qs[k]));
@@ -568,29 +600,53 @@ inline __m512 weights16(const GroupQ8_0& g, const Scales512Q8_0& s, int k) {
 // chain as the AVX2 and portable tiles', so every ISA gives the same bits.
 template <typename Group, int MR, int NG>
 void gemm_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* grp, int64_t nb, int cols) {
-    using Scales = decltype(scales512(grp[0]));
     __m512 acc[MR][NG];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int g = 0; g < NG; g++) acc[i][g] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        Scales s[NG];
-#pragma GCC unroll 4
-        for (int g = 0; g < NG; g++) {
-            prefetch_ahead(grp + g * nb + b);
-            s[g] = scales512(grp[g * nb + b]);
-        }
-        const float* xb = x + b * QK;
-        for (int k = 0; k < QK; k++) {
-            __m512 w[NG];
-#pragma GCC unroll 4
-            for (int g = 0; g < NG; g++) w[g] = weights16(grp[g * nb + b], s[g], k);
+    // Column k's weights w (NG vectors) meet the MR rows of x.
+    auto accumulate = [&](const float* xk, const __m512* w) {
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const __m512 xv = _mm512_set1_ps(xb[i * ldx + k]);
+        for (int i = 0; i < MR; i++) {
+            const __m512 xv = _mm512_set1_ps(xk[i * ldx]);
 #pragma GCC unroll 4
-                for (int g = 0; g < NG; g++) acc[i][g] = _mm512_fmadd_ps(xv, w[g], acc[i][g]);
+            for (int g = 0; g < NG; g++) acc[i][g] = _mm512_fmadd_ps(xv, w[g], acc[i][g]);
+        }
+    };
+    for (int64_t b = 0; b < nb; b++) {
+        const float* xb = x + b * QK;
+        if constexpr (std::is_same_v<Group, GroupQ4_1>) {
+            ChunkScales512Q4_1 s[NG];
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++) {
+                prefetch_ahead<NG>(grp, g, b, nb);
+                s[g] = chunk_scales512(grp[g * nb + b]);
+            }
+            for (int c = 0; c < QK / 4; c++) {
+                __m512i words[NG];
+#pragma GCC unroll 4
+                for (int g = 0; g < NG; g++) words[g] = chunk_words512(grp[g * nb + b], c);
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {
+                    __m512 w[NG];
+#pragma GCC unroll 4
+                    for (int g = 0; g < NG; g++) w[g] = weights_of_chunk512(words[g], s[g], t);
+                    accumulate(xb + 4 * c + t, w);
+                }
+            }
+        } else {
+            Scales512Q8_0 s[NG];
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++) {
+                prefetch_ahead<NG>(grp, g, b, nb);
+                s[g] = scales512(grp[g * nb + b]);
+            }
+            for (int k = 0; k < QK; k++) {
+                __m512 w[NG];
+#pragma GCC unroll 4
+                for (int g = 0; g < NG; g++) w[g] = weights16(grp[g * nb + b], s[g], k);
+                accumulate(xb + k, w);
             }
         }
     }
@@ -631,7 +687,6 @@ template <typename Group, int MR, int NG>
 void gemm_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* grp, int64_t nb, int cols) {
     constexpr int NC = GROUP_ROWS * NG;
 #ifdef PAGEDLLM_AVX2
-    using Scales = decltype(scales(grp[0]));
     // Every loop over the accumulators is unrolled, so GCC keeps them in registers rather than
     // storing the array on every k (measured: 1.4x slower).
     __m256 acc[MR][2 * NG];
@@ -639,23 +694,58 @@ void gemm_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* 
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int v = 0; v < 2 * NG; v++) acc[i][v] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        Scales s[NG];
-#pragma GCC unroll 2
-        for (int g = 0; g < NG; g++) {
-            prefetch_ahead(grp + g * nb + b);
-            s[g] = scales(grp[g * nb + b]);
+    // Column k's weights w (2 * NG vectors) meet the MR rows of x.
+    auto accumulate = [&](const float* xk, const __m256* w) {
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            const __m256 xv = _mm256_broadcast_ss(xk + i * ldx);
+#pragma GCC unroll 4
+            for (int v = 0; v < 2 * NG; v++) acc[i][v] = _mm256_fmadd_ps(xv, w[v], acc[i][v]);
         }
+    };
+    for (int64_t b = 0; b < nb; b++) {
         const float* xb = x + b * QK;
-        for (int k = 0; k < QK; k++) {
-            __m256 w[2 * NG];
+        if constexpr (std::is_same_v<Group, GroupQ4_1>) {
+            ChunkScalesQ4_1 s[NG];
 #pragma GCC unroll 2
-            for (int g = 0; g < NG; g++) weights16(grp[g * nb + b], s[g], k, w[2 * g], w[2 * g + 1]);
-#pragma GCC unroll 4
-            for (int i = 0; i < MR; i++) {
-                const __m256 xv = _mm256_broadcast_ss(xb + i * ldx + k);
-#pragma GCC unroll 4
-                for (int v = 0; v < 2 * NG; v++) acc[i][v] = _mm256_fmadd_ps(xv, w[v], acc[i][v]);
+            for (int g = 0; g < NG; g++) {
+                prefetch_ahead<NG>(grp, g, b, nb);
+                s[g] = chunk_scales(grp[g * nb + b]);
+            }
+            for (int c = 0; c < QK / 4; c++) {
+                __m256i lo[NG], hi[NG];
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; g++) {
+                    lo[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp[g * nb + b].qs[c]));
+                    hi[g] = _mm256_srli_epi32(lo[g], 4);
+                }
+                __m256 w[2 * NG];
+                const float* xc = xb + 4 * c;
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; g++) weights_of_chunk<0>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
+                accumulate(xc, w);
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; g++) weights_of_chunk<1>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
+                accumulate(xc + 1, w);
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; g++) weights_of_chunk<2>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
+                accumulate(xc + 2, w);
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; g++) weights_of_chunk<3>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
+                accumulate(xc + 3, w);
+            }
+        } else {
+            ScalesQ8_0 s[NG];
+#pragma GCC unroll 2
+            for (int g = 0; g < NG; g++) {
+                prefetch_ahead<NG>(grp, g, b, nb);
+                s[g] = scales(grp[g * nb + b]);
+            }
+            for (int k = 0; k < QK; k++) {
+                __m256 w[2 * NG];
+#pragma GCC unroll 2
+                for (int g = 0; g < NG; g++) weights16(grp[g * nb + b], s[g], k, w[2 * g], w[2 * g + 1]);
+                accumulate(xb + k, w);
             }
         }
     }
