@@ -25,9 +25,12 @@ from typing import Protocol
 from torch import nn
 
 # Extra cost of one more token in a decode step, in 1-token steps: measured on the default model
-# (fp32, exact), AMD EPYC Zen 4: the 120 decoder linears take 1.26x at 4 rows what they take at 1;
-# a whole 4-token verifying step costs 1.40x a plain one.
-VERIFY_COST_PER_TOKEN = 0.13
+# (fp32, exact), AMD EPYC Zen 4, after the one-row kernel reached ~22 GB/s: the 120 decoder
+# linears take 3.05 / 3.70 / 4.42 / 5.21 / 9.12 ms at 1 / 2 / 3 / 4 / 8 rows and the LM head
+# grows likewise, so a verifying step of 2 / 3 / 4 / 8 tokens costs ~1.17 / 1.33 / 1.51 / 2.5x a
+# plain one (5.3 ms): ~0.17 per token up to 4, 0.21 at 8. Each extra row adds one FMA per
+# weight, which the exact fp32 kernel cannot share between rows.
+VERIFY_COST_PER_TOKEN = 0.17
 DECAY = 0.8  # weight of the older history at each verified draft
 FIRST_PROBE_WAIT = 4  # steps between the first probes of a request that drafts nothing ...
 MAX_PROBE_WAIT = 32  # ... doubling up to this: a wasted probe then costs ~1% of the steps

@@ -75,8 +75,8 @@ def test_best_length_trades_expected_tokens_against_cost():
     free = DraftCost()
     assert best_length(0.9, 7, free) == 7  # cheap and accepted: draft all
     assert best_length(0.0, 7, free) == 0  # never accepted: verifying costs only
-    assert best_length(0.5, 7, free) == 2  # 1.75 tokens for 1.26 steps beats 1.875 for 1.39
-    assert best_length(0.3, 3, DraftCost(per_token=0.3)) == 0  # 1.3 tokens for 1.43 steps: not worth it
+    assert best_length(0.5, 7, free) == 2  # 1.75 tokens for 1.34 steps beats 1.875 for 1.51
+    assert best_length(0.3, 3, DraftCost(per_token=0.3)) == 0  # 1.3 tokens for 1.47 steps: not worth it
     assert best_length(0.3, 3, DraftCost(per_token=0.05)) == 1
     assert best_length(0.95, 3, DraftCost(fixed=0.3)) == 3  # a fixed cost wants long drafts
     # The chosen length's rate is the best of all lengths (0 = plain decoding, rate 1).
