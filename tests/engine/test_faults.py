@@ -207,3 +207,37 @@ def test_seeded_samples_do_not_change_with_preemption(tiny_llama):
         outs[blocks] = llm.generate(prompts, params, use_tqdm=False)
     assert any(o.num_preemptions for o in outs[8]), "the small pool did not preempt"
     assert [o.outputs[0].token_ids for o in outs[8]] == [o.outputs[0].token_ids for o in outs[64]]
+
+
+def test_async_engine_is_built_and_run_on_its_own_thread(tiny_llama, monkeypatch):
+    """One thread runs every OpenMP team: the engine thread builds the engine (a model loaded
+    on the main thread gave OpenMP a second team and made every decode step 2.3x slower), and
+    a constructor error still reaches the caller."""
+    import threading
+
+    from pagedllm.engine import async_llm
+
+    built_on: list[str] = []
+    real = async_llm.LLMEngine
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(async_llm, "LLMEngine", recording)
+    llm = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64), log_stats_interval=1e9)
+    try:
+        assert built_on == ["pagedllm-engine"] and llm.engine is not None
+
+        async def one() -> list[int]:
+            tokens: list[int] = []
+            async for out in await llm.add_request({"prompt_token_ids": [5, 6]}, GREEDY):  # deltas
+                tokens += out.outputs[0].token_ids
+            return tokens
+
+        assert len(asyncio.run(one())) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="does not exist"):
+        AsyncLLM(EngineConfig(model=str(tiny_llama / "missing"), dtype="float32"), log_stats_interval=1e9)
+    assert built_on[-1] == "pagedllm-engine"
