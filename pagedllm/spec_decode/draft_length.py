@@ -10,8 +10,12 @@ most tokens per unit of cost; when no k beats plain decoding, it drafts nothing.
 ``a`` is estimated per request from its own verified drafts: each draft adds its accepted tokens
 as successes and, if it stopped early, one failure (the maximum-likelihood estimate of a
 geometric run), both decayed so the estimate follows the text (a passage to copy, then free
-prose). A request that drafts nothing probes with one token now, then after 4, 8, 16 and every
-32 steps, so it notices when drafting starts paying again.
+prose). A request that drafts nothing probes with one token now and then, so it notices when
+drafting starts paying again: now, then after w, 2w, 4w ... steps up to a longest wait. A probe
+costs what a one-token draft costs (its proposer's work plus a verified row), so the waits grow
+with it: prompt lookup probes after 4, 8, 16 and every 32 steps; a drafter whose probe costs
+0.72 of a step (an EAGLE layer and an LM-head pass) after 15, 30, 60 and every 73 steps, which
+keeps probing near 1% of the work (the first probes of a short reply cost a little more).
 
 Everything here depends only on the request's own tokens, never on timing or the batch, so the
 same request drafts the same way on every run.
@@ -19,6 +23,7 @@ same request drafts the same way on every run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +38,9 @@ from torch import nn
 VERIFY_COST_PER_TOKEN = 0.17
 DECAY = 0.8  # weight of the older history at each verified draft
 FIRST_PROBE_WAIT = 4  # steps between the first probes of a request that drafts nothing ...
-MAX_PROBE_WAIT = 32  # ... doubling up to this: a wasted probe then costs ~1% of the steps
+MAX_PROBE_WAIT = 32  # ... doubling up to this (at least: expensive probes wait longer, below)
+PROBE_SHARE = 0.01  # the share of the steps' work the longest waits leave to probes
+FIRST_PROBE_SHARE = 0.05  # ... and the first ones
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,9 @@ class DraftLengthPolicy:
         one success and one failure's worth of evidence); ``adaptive=False`` always drafts k_max,
         backing off only after wholly rejected drafts."""
         self.k_max, self.cost, self.prior, self.adaptive = k_max, cost, prior, adaptive
+        probe = cost.fixed + cost.per_token + VERIFY_COST_PER_TOKEN  # a one-token draft's work, in steps
+        self.first_wait = max(FIRST_PROBE_WAIT, math.ceil(probe / FIRST_PROBE_SHARE))
+        self.max_wait = max(MAX_PROBE_WAIT, math.ceil(probe / PROBE_SHARE))
 
     def acceptance(self, s: _State) -> float:
         hits, misses = s.spec_hits + 2 * self.prior, s.spec_misses + 2 * (1 - self.prior)
@@ -101,8 +111,10 @@ class DraftLengthPolicy:
         if k > 0:
             s.spec_backoff = 0
             return k
-        # Not worth it now: probe with one token, then wait 4, 8, ... 32 steps before the next.
-        s.spec_skip, s.spec_backoff = s.spec_backoff, min(MAX_PROBE_WAIT, 2 * s.spec_backoff or FIRST_PROBE_WAIT)
+        # Not worth it now: probe with one token, then wait first_wait, twice that, ... up to
+        # max_wait steps before the next.
+        s.spec_backoff = min(self.max_wait, 2 * s.spec_backoff) if s.spec_backoff else self.first_wait
+        s.spec_skip = s.spec_backoff
         return 1
 
 

@@ -108,6 +108,30 @@ def test_auto_length_follows_the_acceptance_rate_and_probes_when_drafting_stops(
     assert lengths[-10:] == [3] * 10, lengths
 
 
+def test_probes_are_rarer_the_more_a_probe_costs():
+    """A request that never gets a draft accepted keeps probing, but a probe that costs most of
+    a step (a model drafter's layer and LM-head pass) comes far less often than a prompt-lookup
+    probe (only a verified row), so both spend about the same small share of the work on them."""
+
+    def probe_steps(cost: DraftCost) -> list[int]:
+        proposer = Proposer(SpeculativeConfig(num_speculative_tokens=3), cost=cost)
+        s = _State([1, 2, 3, 1, 2, 3, 1, 2])
+        s.spec_misses = 50.0  # a rate far too low to draft
+        steps, accepted = [], None
+        for step in range(400):
+            d = proposer.propose([s], [True], [accepted])[0]
+            if d:
+                steps.append(step)
+            accepted = 0 if d else None
+        return steps
+
+    cheap, costly = probe_steps(DraftCost()), probe_steps(DraftCost(fixed=0.06, per_token=0.49))
+    assert cheap[:4] == [0, 5, 14, 31] and len(cheap) == 15  # waits 4, 8, 16, then every 32
+    assert costly[:4] == [0, 16, 47, 108] and len(costly) == 7  # waits 15, 30, 60, then every 73
+    for steps, cost in ((cheap, VERIFY_COST_PER_TOKEN), (costly, 0.72)):
+        assert len(steps) * cost / 400 < 0.03
+
+
 def test_model_based_drafts_get_the_chosen_length():
     class Drafter:
         def propose(self, req_ids, token_ids, limits, hidden=None):
