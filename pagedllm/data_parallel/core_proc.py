@@ -189,7 +189,7 @@ def run_replica(rank: int, size: int, config: EngineConfig, share: CpuShare, con
     if share.cpus is not None:
         os.sched_setaffinity(0, share.cpus)
     from pagedllm.logger import configure_logging
-    from pagedllm.runner.threads import configure_threads
+    from pagedllm.threads import configure_threads
 
     configure_logging()
     for handler in logging.getLogger("pagedllm").handlers:  # tell the replicas' log lines apart

@@ -33,7 +33,7 @@ from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.runner.threads import configure_threads
+from pagedllm.threads import configure_threads, single_thread
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.engine")
@@ -125,7 +125,8 @@ class AsyncLLM(RequestStreams):
         # Beyond this many waiting requests new ones are refused (EngineOverloadedError).
         self.max_waiting_requests = max_waiting_requests
         self.data_parallel_size = 1  # the in-process engine; pagedllm/data_parallel/ runs replicas
-        self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input")
+        self._workers = ThreadPoolExecutor(max_workers=num_input_workers, thread_name_prefix="pagedllm-input",
+                                           initializer=single_thread)  # fmt: skip
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -249,6 +250,7 @@ class AsyncLLM(RequestStreams):
     # ------------------------------------------------------------------ engine thread
     def _run(self, config: EngineConfig, log_stats_interval: float, built: queue.SimpleQueue) -> None:
         try:
+            configure_threads()  # this thread's own OpenMP settings (they are per thread)
             self.engine = LLMEngine(config, log_stats_interval=log_stats_interval)
         except BaseException as e:  # a bad config or model: the constructor raises it
             built.put(e)

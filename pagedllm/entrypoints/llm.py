@@ -14,7 +14,7 @@ from pagedllm.engine.chat import render_chat
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
-from pagedllm.runner.threads import configure_threads
+from pagedllm.threads import configure_threads
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

@@ -116,7 +116,7 @@ def run_worker(rank: int, address: tuple[str, int], authkey: bytes, num_threads:
     if cpus:
         os.sched_setaffinity(0, cpus)
     os.environ["PAGEDLLM_NUM_THREADS"] = str(num_threads)
-    from pagedllm.runner.threads import configure_threads
+    from pagedllm.threads import configure_threads
 
     configure_threads()
     conn = connect(address, authkey, connect_timeout)

@@ -23,6 +23,7 @@ import torch
 from pagedllm.request import Request
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.scheduler.output import GrammarBitmask, ScheduledRequest
+from pagedllm.threads import single_thread
 from pagedllm.structured_output import backend as xgrammar_backend
 
 logger = logging.getLogger("pagedllm.structured_output")
@@ -66,13 +67,18 @@ class StructuredOutputManager:
                 self._backend = xgrammar_backend.XgrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
             return self._backend
 
+    def _pool_or_new(self) -> ThreadPoolExecutor:
+        """The grammar compiler's thread, made on first use. Its torch ops run single-threaded:
+        only the engine's thread may run OpenMP teams (pagedllm/threads.py)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar", initializer=single_thread)
+        return self._pool
+
     def _compile(self, params: StructuredOutputsParams) -> Future:
         key = params.key
         future = self._compiling.get(key)
         if future is None:  # identical constraints arriving together compile once
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
-            future = self._pool.submit(lambda: self.backend().compile(params))
+            future = self._pool_or_new().submit(lambda: self.backend().compile(params))
             self._compiling[key] = future
             future.add_done_callback(lambda _f: self._compiling.pop(key, None))
         return future

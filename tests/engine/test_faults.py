@@ -241,3 +241,37 @@ def test_async_engine_is_built_and_run_on_its_own_thread(tiny_llama, monkeypatch
     with pytest.raises(ValueError, match="does not exist"):
         AsyncLLM(EngineConfig(model=str(tiny_llama / "missing"), dtype="float32"), log_stats_interval=1e9)
     assert built_on[-1] == "pagedllm-engine"
+
+
+def test_only_the_engine_thread_runs_torch_on_several_threads(tiny_llama):
+    """A parallel torch op on any other thread would give OpenMP a second team, and OpenMP then
+    sleeps and wakes its workers at every region of every step (served decoding 2.3x slower):
+    the input workers and the grammar compiler run torch single-threaded (the server's event
+    loop too: api_server.run_server)."""
+    import threading
+
+    import torch
+
+    from pagedllm.threads import configure_threads
+
+    def counts() -> tuple[str, int]:
+        return threading.current_thread().name, torch.get_num_threads()
+
+    cores = configure_threads()
+    llm = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64), log_stats_interval=1e9)
+    try:
+
+        async def probe() -> list[tuple[str, int]]:
+            return [await llm.call_in_engine(lambda _engine: counts()), await llm.run_in_worker(counts),
+                    await asyncio.get_running_loop().run_in_executor(llm.engine.structured._pool_or_new(), counts)]  # fmt: skip
+
+        seen = asyncio.run(probe())
+        assert seen[0] == ("pagedllm-engine", cores)
+        assert seen[1][0].startswith("pagedllm-input") and seen[1][1] == 1
+        assert seen[2][0].startswith("pagedllm-grammar") and seen[2][1] == 1
+        assert torch.get_num_threads() == cores  # the caller's thread is left as it was
+        # A parallel-sized op on a helper leaves the engine's threads as they were.
+        asyncio.run(llm.run_in_worker(lambda: torch.ones(1 << 20).sum()))
+        assert asyncio.run(llm.call_in_engine(lambda _engine: counts())) == ("pagedllm-engine", cores)
+    finally:
+        llm.shutdown()

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.version import __version__
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.threads import single_thread
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -398,6 +399,7 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
     if lora_modules and not engine_config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     llm = make_async_llm(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
+    single_thread()  # the event loop's thread: torch ops without an OpenMP team (pagedllm/threads.py)
     config = ServerConfig(
         served_model_name=args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME),
         model_root=str(llm.engine.source.path),
