@@ -550,8 +550,7 @@ inline ChunkScalesQ4_1 chunk_scales(const GroupQ4_1& g) {
     s.m1 = load_f16x8(g.m + 8);
     return s;
 }
-template <int t>
-inline void weights_of_chunk(__m256i lo, __m256i hi, const ChunkScalesQ4_1& s, __m256& w0, __m256& w1) {
+inline void weights_of_chunk(__m256i lo, __m256i hi, const ChunkScalesQ4_1& s, int t, __m256& w0, __m256& w1) {
     const __m256i mask = _mm256_set1_epi32(0x0f << (8 * t));
     w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), s.d[t][0], s.m0);
     w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(hi, mask)), s.d[t][1], s.m1);
@@ -719,20 +718,13 @@ void gemm_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const Group* 
                     lo[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp[g * nb + b].qs[c]));
                     hi[g] = _mm256_srli_epi32(lo[g], 4);
                 }
-                __m256 w[2 * NG];
-                const float* xc = xb + 4 * c;
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {
+                    __m256 w[2 * NG];
 #pragma GCC unroll 2
-                for (int g = 0; g < NG; g++) weights_of_chunk<0>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
-                accumulate(xc, w);
-#pragma GCC unroll 2
-                for (int g = 0; g < NG; g++) weights_of_chunk<1>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
-                accumulate(xc + 1, w);
-#pragma GCC unroll 2
-                for (int g = 0; g < NG; g++) weights_of_chunk<2>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
-                accumulate(xc + 2, w);
-#pragma GCC unroll 2
-                for (int g = 0; g < NG; g++) weights_of_chunk<3>(lo[g], hi[g], s[g], w[2 * g], w[2 * g + 1]);
-                accumulate(xc + 3, w);
+                    for (int g = 0; g < NG; g++) weights_of_chunk(lo[g], hi[g], s[g], t, w[2 * g], w[2 * g + 1]);
+                    accumulate(xb + 4 * c + t, w);
+                }
             }
         } else {
             ScalesQ8_0 s[NG];
