@@ -474,8 +474,8 @@ void paged_attention_kv_f16(float* out, const float* q, const uint16_t* key_cach
 // At load time the blocks are regrouped (pagedllm/kernels/reference.py: group_blocks): output
 // rows in groups of 16 and, per block index, the 16 rows' fp16 scales (and minima), then the
 // 16 rows' quants of every k (Q4_1: in chunks of 4 k, one 32-bit word per row pair, below).
-// The kernel vectorises over output columns and keeps
-// k sequential: each y[m, n] is acc = fma(x[m, k], w[n, k], acc) for k = 0, 1, ..., K-1 from 0,
+// The kernel vectorises over output columns and keeps k sequential: each y[m, n] is
+// acc = fma(x[m, k], w[n, k], acc) for k = 0, 1, ..., K-1 from 0,
 // exactly the dense GEMM's order below, and w = d * q + m is exact in its product (an fp16
 // scale times a 4- or 8-bit integer fits fp32's mantissa), so it equals the fp32 copy's weight.
 // Both kernels therefore give bit-identical rows, whatever the number of rows in the step:
