@@ -1,4 +1,4 @@
-"""The whole decoder stack of a small step in one native call, and when it may stand in.
+"""The whole decoder stack of a step in one native call, and when it may stand in.
 
 At a few tokens per step each layer is ten short kernels whose Python dispatch was a third of
 a single-stream step; ``decoder_stack_f32`` runs the same kernels in the same order from C++
@@ -6,10 +6,12 @@ a single-stream step; ``decoder_stack_f32`` runs the same kernels in the same or
 ``Linear``, so it may stand in for them only under the rule below, stated here and nowhere
 else (``why_not``):
 
-- the step has at most ``PACKED_MAX_ROWS`` tokens (the packed-weight regime);
+- every layer's four linears hold the form ``Linear`` itself would use for the step: GGUF
+  blocks of a type the stack knows (Q4_1, Q8_0) up to ``PACKED_MAX_ROWS`` tokens, fp32 panels
+  above (``big_steps``);
 - the native kernels are built and on (not inside ``ops.torch_only()``);
 - the attention backend declares ``fused_decoder_stack`` (its attention is what the stack computes);
-- every layer's four linears hold GGUF blocks of a type the stack knows (Q4_1, Q8_0), no biases;
+- no linear has a bias;
 - the model computes in fp32 and every layer's KV cache is fp32 and contiguous.
 - every layer's MLP is dense (the stack has no mixture-of-experts routing);
 - no linear takes int8 activations (``activation_dtype="int8"``: the stack multiplies in fp32);
@@ -35,7 +37,8 @@ from pagedllm.model.linear import PACKED_MAX_ROWS, packed_generation
 
 logger = logging.getLogger("pagedllm.model")
 
-_QTYPES = {"Q4_1": 0, "Q8_0": 1}
+_QTYPES = {"Q4_1": 0, "Q8_0": 1}  # decoder_stack_f32's codes for a linear's weight form
+_PANELS = 2
 
 
 def _linears(layer) -> tuple:
@@ -43,9 +46,10 @@ def _linears(layer) -> tuple:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
-    """Why this model and cache cannot run as one native call (None: they can). The per-step
-    conditions (token count, backend, ``torch_only``) are checked by ``FusedDecoderStack.get``."""
+def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps: bool = False) -> str | None:
+    """Why this model and cache cannot run as one native call (None: they can), for steps of up
+    to ``PACKED_MAX_ROWS`` tokens or (``big_steps``) more. The per-step conditions (backend,
+    ``torch_only``, LoRA rows) are checked by ``FusedDecoderStack.get``."""
     arch = model.arch
     if getattr(model, "tp_size", 1) > 1:  # set by distributed/tensor_parallel.install
         return "tensor parallel: the native stack has no all-reduce between its layers"
@@ -63,7 +67,9 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | 
         for lin in _linears(layer):
             if lin.int8 is not None:
                 return f"layer {i}'s linears take integer activations (activation_dtype=int{lin.int8.bits})"
-            if lin.packed is None or lin.qtype not in _QTYPES:
+            if big_steps and lin.panels is None:
+                return f"layer {i} has a linear without fp32 panels (big steps run on them)"
+            if not big_steps and (lin.packed is None or lin.qtype not in _QTYPES):
                 return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
             if lin.bias is not None:
                 return f"layer {i} has a linear with a bias"
@@ -80,29 +86,31 @@ class FusedDecoderStack:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._plan: _NativePlan | None = None
+        self._plans: dict[bool, _NativePlan | None] = {}  # big_steps -> plan
 
     @staticmethod
     def _key_of(kv_caches) -> tuple:
-        """What the plan captured: the packed weights (through their generation counter) and
-        the KV caches. Cheap, since it runs every small step."""
+        """What the plans captured: the linears' GGUF blocks and panels (through their generation
+        counter) and the KV caches. Cheap, since it runs every step."""
         first, last = cache_parts(kv_caches[0][0])[0], cache_parts(kv_caches[-1][1])[0]
         return packed_generation(), first.data_ptr(), last.data_ptr(), len(kv_caches)
 
     def get(self, model, backend: AttentionBackend, kv_caches, num_tokens: int, lora=None) -> "_NativePlan | None":
         """The plan to run this step with, or None. ``lora``: the model's LoRA context, if any
         (its ``mapping`` is set when some row of the step has an adapter)."""
-        if num_tokens > PACKED_MAX_ROWS or not backend.fused_decoder_stack or not ops.enabled():
+        if not backend.fused_decoder_stack or not ops.enabled():
             return None
         if lora is not None and lora.mapping is not None:
             return None
         key = self._key_of(kv_caches)
         if key != self._key:
-            reason = why_not(model, kv_caches)
-            self._plan = _NativePlan.build(model, kv_caches) if reason is None else None
+            for big in (False, True):
+                reason = why_not(model, kv_caches, big)
+                self._plans[big] = _NativePlan.build(model, kv_caches, big) if reason is None else None
+                logger.debug("one-call decoder stack, %s steps: %s", "big" if big else "small",
+                             "on" if reason is None else f"off ({reason})")  # fmt: skip
             self._key = key
-            logger.debug("one-call decoder stack: %s", "on" if reason is None else f"off ({reason})")
-        return self._plan
+        return self._plans[num_tokens > PACKED_MAX_ROWS]
 
 
 class _NativePlan:
@@ -112,15 +120,18 @@ class _NativePlan:
         self.model, self.ptrs, self.qtypes, self._keep, self.num_blocks = model, ptrs, qtypes, keep, num_blocks
 
     @classmethod
-    def build(cls, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "_NativePlan":
+    def build(cls, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps: bool) -> "_NativePlan":
+        """Small steps' plan points at the GGUF blocks, big steps' at the fp32 panels (the forms
+        ``Linear`` uses for such steps; both give a row the same bits)."""
         rows, qtypes, keep = [], [], []
         for layer, (kc, vc) in zip(model.layers, kv_caches):
             linears = _linears(layer)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            tensors = (*norms, *(lin.packed for lin in linears), kc, vc)
+            weights = [lin.panels if big_steps else lin.packed for lin in linears]
+            tensors = (*norms, *weights, kc, vc)
             keep += tensors
             rows.append([t.data_ptr() for t in tensors])
-            qtypes.append([_QTYPES[lin.qtype] for lin in linears])
+            qtypes.append([_PANELS if big_steps else _QTYPES[lin.qtype] for lin in linears])
         rows_t, qtypes_t = torch.tensor(rows, dtype=torch.int64), torch.tensor(qtypes, dtype=torch.int32)
         return cls(model, rows_t, qtypes_t, keep, kv_caches[0][0].shape[0])
 

@@ -35,7 +35,7 @@ from pagedllm.quantization.weights import QuantizedWeight
 # kernels/csrc/cpu_kernels.cpp), so this threshold moves speed only, never a logit.
 PACKED_MAX_ROWS = 20
 
-# Bumped whenever any Linear's packed blocks are set or replaced: code that captured their
+# Bumped whenever any Linear's packed blocks or panels are set or replaced: code that captured their
 # pointers (the one-call decoder stack) compares it instead of re-reading every pointer.
 _packed_generation = 0
 
@@ -68,7 +68,7 @@ class Linear(nn.Module):
         self.lora = None
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name == "packed":
+        if name in ("packed", "panels"):  # the native decoder stack captured their pointers
             global _packed_generation
             _packed_generation += 1
         super().__setattr__(name, value)

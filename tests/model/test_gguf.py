@@ -195,8 +195,10 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path):
 
 
 def test_one_call_decoder_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch):
-    """Small steps of a packed fp32 model run all layers in one native call; the per-layer
-    path (the same kernels called from Python) must give the same tokens and logprobs."""
+    """Steps of a packed fp32 model run all layers in one native call (GGUF blocks up to
+    PACKED_MAX_ROWS tokens, fp32 panels above); the per-layer path (the same kernels called
+    from Python) must give the same tokens and logprobs, and the same prompt logprobs bit for
+    bit from a big prefill step."""
     from pagedllm.model import fused_stack
 
     hf_dir = save_tiny_model(tmp_path / "hf", seed=4)
@@ -206,20 +208,24 @@ def test_one_call_decoder_stack_matches_the_layer_by_layer_path(tmp_path, monkey
     model = runner.model
     assert fused_stack.why_not(model, runner.kv_caches) is None
     assert model.fused_stack.get(model, runner.backend, runner.kv_caches, 1) is not None
-    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 21))}]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    calls = []
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(3, 21))},
+               {"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(45)]}]  # a 45-token prefill: a big step
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    steps = []  # tokens of each step the stack ran
     run = fused_stack._NativePlan.run
-    monkeypatch.setattr(fused_stack._NativePlan, "run", lambda self, *a: calls.append(1) or run(self, *a))
-    fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert calls, "the one-call stack did not run"
+    monkeypatch.setattr(fused_stack._NativePlan, "run", lambda self, res, *a: steps.append(res.shape[0]) or run(self, res, *a))
+    fused_out = llm.generate(prompts, params, use_tqdm=False)
+    assert steps and max(steps) > PACKED_MAX_ROWS and min(steps) <= PACKED_MAX_ROWS, steps  # both plans ran
     monkeypatch.setattr(fused_stack.FusedDecoderStack, "get", lambda *a: None)
     llm.reset_prefix_cache()
-    layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    layered_out = llm.generate(prompts, params, use_tqdm=False)
+    fused, layered = [o.outputs[0] for o in fused_out], [o.outputs[0] for o in layered_out]
+    fused_prompt, layered_prompt = [o.prompt_logprobs for o in fused_out], [o.prompt_logprobs for o in layered_out]
     for a, b in zip(fused, layered):
         assert a.token_ids == b.token_ids
         for lp_a, lp_b, tok in zip(a.logprobs, b.logprobs, a.token_ids):
             assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 1e-5
+    assert fused_prompt == layered_prompt  # bit for bit: the same kernels in the same order
 
 
 def test_the_decoder_stack_rule_says_why_it_is_off(tmp_path):
@@ -236,7 +242,8 @@ def test_the_decoder_stack_rule_says_why_it_is_off(tmp_path):
     model, kv, stack = runner.model, runner.kv_caches, runner.model.fused_stack
     plan = stack.get(model, runner.backend, kv, 4)
     assert plan is not None
-    assert stack.get(model, runner.backend, kv, PACKED_MAX_ROWS + 1) is None  # past the packed-weight regime
+    big = stack.get(model, runner.backend, kv, PACKED_MAX_ROWS + 1)  # past the packed-weight regime: panels
+    assert big is not None and big is not plan and int(big.qtypes.unique().item()) == fused_stack._PANELS
     assert stack.get(model, TorchSDPAAttention(), kv, 1) is None  # backend without the capability
     with ops.torch_only():
         assert stack.get(model, runner.backend, kv, 1) is None
@@ -250,3 +257,9 @@ def test_the_decoder_stack_rule_says_why_it_is_off(tmp_path):
     lin.packed = None
     assert "layer 1" in fused_stack.why_not(model, kv) and stack.get(model, runner.backend, kv, 1) is None
     lin.packed = saved
+    panels = lin.panels
+    lin.panels = None  # big steps then run layer by layer; small ones still in one call
+    assert "panels" in fused_stack.why_not(model, kv, big_steps=True)
+    assert stack.get(model, runner.backend, kv, PACKED_MAX_ROWS + 1) is None
+    assert stack.get(model, runner.backend, kv, 1) is not None
+    lin.panels = panels

@@ -1110,15 +1110,16 @@ int pagedllm_team_size(int n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The whole decoder stack for a small step, in one call. With a handful of tokens every layer
-// is ten short kernels, and from Python each costs more to dispatch than to run; this runs the
-// same kernels, in the same order, on the same buffers layout, without leaving C++.
+// The whole decoder stack of a step, in one call. With a handful of tokens every layer is ten
+// short kernels, and from Python each costs more to dispatch than to run; with many, the ~300
+// dispatches of a step still cost milliseconds. This runs the same kernels, in the same order,
+// on the same buffer layout, without leaving C++.
 // Per layer l, `layer_ptrs[l * 8 + i]` holds: 0 input-norm weight, 1 post-attention-norm
-// weight, 2 qkv blocks, 3 o blocks, 4 gate_up blocks, 5 down blocks, 6 key cache, 7 value
-// cache; `layer_qtypes[l * 4 + j]` the block type (0 = Q4_1, 1 = Q8_0) of linear j (qkv, o,
-// gate_up, down). `residual` [T, hidden] holds the embeddings in and the residual stream out;
-// `out` [T, hidden] gets the final norm's output. Returns 0, or 1 (having done nothing) when a
-// block type is unknown.
+// weight, 2 qkv weight, 3 o weight, 4 gate_up weight, 5 down weight, 6 key cache, 7 value
+// cache; `layer_qtypes[l * 4 + j]` the form of linear j's weight (qkv, o, gate_up, down):
+// 0 = Q4_1 group-blocks, 1 = Q8_0 group-blocks (small steps), 2 = fp32 panels (big steps).
+// `residual` [T, hidden] holds the embeddings in and the residual stream out; `out` [T, hidden]
+// gets the final norm's output. Returns 0, or 1 (having done nothing) when a form is unknown.
 int decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, const int32_t* layer_qtypes,
                       int64_t num_layers, const float* final_norm, float eps, int64_t T, int64_t hidden,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
@@ -1127,42 +1128,45 @@ int decoder_stack_f32(float* out, float* residual, const int64_t* layer_ptrs, co
                       const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_seqs, int64_t block_size,
                       int64_t num_blocks, float scale, int nthreads) {
     for (int64_t i = 0; i < num_layers * 4; i++)
-        if (layer_qtypes[i] != 0 && layer_qtypes[i] != 1) return 1;
+        if (layer_qtypes[i] < 0 || layer_qtypes[i] > 2) return 1;
     const int64_t num_slots = num_blocks * block_size;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    std::vector<float> x(T * hidden), qkv(T * qkv_size), q(T * q_size), attn(T * q_size), proj(T * hidden);
-    std::vector<float> gate_up(T * 2 * intermediate), act(T * intermediate);
+    // Every element is written before it is read: no zero-filling (tens of MB at 2,048 tokens).
+    auto buffer = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
+    auto x = buffer(T * hidden), qkv = buffer(T * qkv_size), q = buffer(T * q_size), attn = buffer(T * q_size);
+    auto proj = buffer(T * hidden), gate_up = buffer(T * 2 * intermediate), act = buffer(T * intermediate);
     auto gemm = [&](int32_t qtype, float* y, const float* in, const void* w, int64_t N, int64_t K) {
+        if (qtype == 2) return panel_gemm_f32(y, N, in, K, static_cast<const float*>(w), T, N, K, nthreads);
         const uint8_t* wb = static_cast<const uint8_t*>(w);
         if (qtype == 0) grouped_gemm_q4_1(y, in, wb, T, N, K, nthreads);
         else grouped_gemm_q8_0(y, in, wb, T, N, K, nthreads);  // 1: checked above
     };
     auto ptr = [&](int64_t l, int i) { return reinterpret_cast<void*>(layer_ptrs[l * 8 + i]); };
-    rms_norm_f32(x.data(), residual, hidden, nullptr, static_cast<const float*>(ptr(0, 0)), eps, T, hidden, nthreads);
+    rms_norm_f32(x.get(), residual, hidden, nullptr, static_cast<const float*>(ptr(0, 0)), eps, T, hidden, nthreads);
     for (int64_t l = 0; l < num_layers; l++) {
         const int32_t* qt = layer_qtypes + l * 4;
-        gemm(qt[0], qkv.data(), x.data(), ptr(l, 2), qkv_size, hidden);
-        float* kp = qkv.data() + q_size;
+        gemm(qt[0], qkv.get(), x.get(), ptr(l, 2), qkv_size, hidden);
+        float* kp = qkv.get() + q_size;
         float* vp = kp + kv_size;
-        rope_f32(qkv.data(), qkv_size, kp, qkv_size, positions, cos_table, sin_table, max_positions, T, num_heads,
+        rope_f32(qkv.get(), qkv_size, kp, qkv_size, positions, cos_table, sin_table, max_positions, T, num_heads,
                  num_kv_heads, head_dim, nthreads);
         write_kv_f32(kp, vp, qkv_size, static_cast<float*>(ptr(l, 6)), static_cast<float*>(ptr(l, 7)), slot_mapping,
                      num_slots, T, kv_size, nthreads);
         for (int64_t t = 0; t < T; t++)  // the attention kernel takes contiguous q rows
-            std::memcpy(q.data() + t * q_size, qkv.data() + t * qkv_size, sizeof(float) * q_size);
-        paged_attention_f32(attn.data(), q.data(), static_cast<const float*>(ptr(l, 6)),
+            std::memcpy(q.get() + t * q_size, qkv.get() + t * qkv_size, sizeof(float) * q_size);
+        paged_attention_f32(attn.get(), q.get(), static_cast<const float*>(ptr(l, 6)),
                             static_cast<const float*>(ptr(l, 7)), block_tables, block_table_stride, seq_lens,
                             query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                             /*window=*/0, scale, nthreads);
-        gemm(qt[1], proj.data(), attn.data(), ptr(l, 3), hidden, q_size);
-        rms_norm_f32(x.data(), proj.data(), hidden, residual, static_cast<const float*>(ptr(l, 1)), eps, T, hidden,
+        gemm(qt[1], proj.get(), attn.get(), ptr(l, 3), hidden, q_size);
+        rms_norm_f32(x.get(), proj.get(), hidden, residual, static_cast<const float*>(ptr(l, 1)), eps, T, hidden,
                      nthreads);
-        gemm(qt[2], gate_up.data(), x.data(), ptr(l, 4), 2 * intermediate, hidden);
-        silu_and_mul_f32(act.data(), gate_up.data(), T, intermediate, nthreads);
-        gemm(qt[3], proj.data(), act.data(), ptr(l, 5), hidden, intermediate);
+        gemm(qt[2], gate_up.get(), x.get(), ptr(l, 4), 2 * intermediate, hidden);
+        silu_and_mul_f32(act.get(), gate_up.get(), T, intermediate, nthreads);
+        gemm(qt[3], proj.get(), act.get(), ptr(l, 5), hidden, intermediate);
         const float* next_norm = l + 1 < num_layers ? static_cast<const float*>(ptr(l + 1, 0)) : final_norm;
-        rms_norm_f32(l + 1 < num_layers ? x.data() : out, proj.data(), hidden, residual, next_norm, eps, T, hidden,
+        rms_norm_f32(l + 1 < num_layers ? x.get() : out, proj.get(), hidden, residual, next_norm, eps, T, hidden,
                      nthreads);
     }
     return 0;
