@@ -66,10 +66,12 @@ def _title(prefix: str, results: list[Result]) -> str:
 
 
 def _engine_label(engine: str, r: Result) -> str:
-    """``engine (its dtype[, int8/int16 activations])`` of one throughput result."""
+    """``engine (its dtype[, int8/int16 activations][, KV cache dtype])`` of one throughput result."""
     dtype = (r.get(engine) or {}).get("dtype") or r.get("dtype")
     if engine == "pagedllm" and r.get("activation_dtype") in ("int8", "int16"):
         dtype = f"{dtype}, {r['activation_dtype']} activations"
+    if engine == "pagedllm" and r.get("kv_cache_dtype") not in (None, "auto", dtype):
+        dtype = f"{dtype}, {r['kv_cache_dtype']} KV"
     return f"{engine} ({dtype})"
 
 
@@ -101,6 +103,21 @@ def plot_throughput(results: list[Result], out: Path) -> Path | None:
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    sizes = {n for engines in series.values() for points in engines.values() for n in points}
+    if len(series) == 1 and len(sizes) == 1:  # one workload at one batch size: bars read better than dots
+        (shape, engines), = series.items()
+        bars = sorted(((mean(next(iter(points.values()))), label) for label, points in engines.items()))
+        ax.barh([label for _, label in bars], [v for v, _ in bars],
+                color=["tab:blue" if label.startswith("pagedllm") else "tab:gray" for _, label in bars])  # fmt: skip
+        for i, (v, _) in enumerate(bars):
+            ax.text(v, i, f" {v:.0f}", va="center")
+        ax.set_xlabel("output tokens/s")
+        ax.set_xlim(right=max(v for v, _ in bars) * 1.12)
+        fig.suptitle(_title("Offline throughput", results) + f", {sizes.pop()} prompts, {shape[0]} -> {shape[1]} tokens")
+        ax.grid(True, axis="x", alpha=0.4)
+        path = out / "throughput_vs_prompts.png"
+        fig.savefig(path, dpi=120)
+        return path
     ticks: set[int] = set()
     for shape, engines in sorted(series.items(), key=lambda kv: str(kv[0])):
         suffix = f", {shape[0]} -> {shape[1]} tokens" if len(series) > 1 else ""

@@ -173,6 +173,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     result = {"workload": w.name, "model": engine_kwargs.get("model") or DEFAULT_MODEL_NAME,
               "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
               "dtype": str(dtype).removeprefix("torch."), "activation_dtype": engine_kwargs.get("activation_dtype", "float32"),
+              "kv_cache_dtype": engine_kwargs.get("kv_cache_dtype", "auto"),
               "data_parallel_size": engine_kwargs.get("data_parallel_size", 1), "pagedllm": ours}  # fmt: skip
     dp = f" DP={result['data_parallel_size']}" if result["data_parallel_size"] > 1 else ""
     line = (

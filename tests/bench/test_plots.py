@@ -121,3 +121,13 @@ def test_each_engine_is_labelled_with_its_own_dtype():
     assert _engine_label("pagedllm", r) == "pagedllm (float32, int8 activations)"
     assert _engine_label("vllm", r) == "vllm (bfloat16)"
     assert _engine_label("transformers", r) == "transformers (float32)"  # an older result: the run's dtype
+    assert _engine_label("pagedllm", {**r, "kv_cache_dtype": "int8"}) == "pagedllm (float32, int8 activations, int8 KV)"
+    assert _engine_label("pagedllm", {**r, "kv_cache_dtype": "auto"}) == "pagedllm (float32, int8 activations)"
+
+
+def test_one_batch_size_renders_as_bars(monkeypatch, tmp_path):
+    """Results at a single batch size (e.g. W1 against the peers) draw one bar per engine."""
+    _write_throughput(monkeypatch, tmp_path / "w1.json", 64, compare=True)
+    out = tmp_path / "out"
+    assert plots.main(["--results-dir", str(tmp_path), "--out-dir", str(out)]) == 0
+    _assert_png(out / "throughput_vs_prompts.png")
