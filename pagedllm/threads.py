@@ -15,12 +15,9 @@ on one thread, which makes no team.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
-
-logger = logging.getLogger("pagedllm.runner")
 
 
 def configure_threads() -> int:

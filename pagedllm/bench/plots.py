@@ -75,10 +75,50 @@ def _engine_label(engine: str, r: Result) -> str:
     return f"{engine} ({dtype})"
 
 
+def _throughput_bars(fig: Any, ax: Any, series: dict, num_prompts: int, results: list[Result]) -> None:
+    """One bar per engine (its mean output tok/s), fastest on top."""
+    (shape, engines), = series.items()
+    bars = sorted((mean(points[num_prompts]), label) for label, points in engines.items())
+    ax.barh([label for _, label in bars], [v for v, _ in bars],
+            color=["tab:blue" if label.startswith("pagedllm") else "tab:gray" for _, label in bars])  # fmt: skip
+    for i, (v, _) in enumerate(bars):
+        ax.text(v, i, f" {v:.0f}", va="center")
+    ax.set_xlabel("output tokens/s")
+    ax.set_xlim(right=max(v for v, _ in bars) * 1.12)
+    fig.suptitle(_title("Offline throughput", results) + f", {num_prompts} prompts, {shape[0]} -> {shape[1]} tokens")
+    ax.grid(True, axis="x", alpha=0.4)
+
+
+def _throughput_lines(ax: Any, series: dict, results: list[Result]) -> None:
+    """Output tok/s against the number of prompts, a line per engine (and shape)."""
+    from matplotlib.ticker import NullLocator
+
+    ticks: set[int] = set()
+    for shape, engines in sorted(series.items(), key=lambda kv: str(kv[0])):
+        suffix = f", {shape[0]} -> {shape[1]} tokens" if len(series) > 1 else ""
+        for label, points in sorted(engines.items()):
+            ns = sorted(points)
+            ticks.update(ns)
+            ours = label.startswith("pagedllm")
+            ax.plot(ns, [mean(points[n]) for n in ns], marker="o" if ours else "s",
+                    linestyle="-" if ours else "--", label=label.replace(")", suffix + ")"))  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks), labels=[str(n) for n in sorted(ticks)])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("number of prompts (batch)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    lens = {(s[0], s[1]) for s in series}
+    in_len, out_len = lens.pop() if len(lens) == 1 else (None, None)
+    lens_note = f", {in_len} -> {out_len} tokens" if in_len is not None and out_len is not None else ""
+    ax.set_title(_title("Offline throughput", results) + lens_note)
+    ax.grid(True, which="major", alpha=0.4)
+    ax.legend()
+
+
 def plot_throughput(results: list[Result], out: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullLocator
 
     # shape -> engine and its dtype -> num_prompts -> output tok/s of each run (repeated runs are
     # averaged). Each engine is labelled with its own dtype: a peer may run in another one
@@ -105,40 +145,9 @@ def plot_throughput(results: list[Result], out: Path) -> Path | None:
     ax = fig.add_subplot()
     sizes = {n for engines in series.values() for points in engines.values() for n in points}
     if len(series) == 1 and len(sizes) == 1:  # one workload at one batch size: bars read better than dots
-        (shape, engines), = series.items()
-        bars = sorted(((mean(next(iter(points.values()))), label) for label, points in engines.items()))
-        ax.barh([label for _, label in bars], [v for v, _ in bars],
-                color=["tab:blue" if label.startswith("pagedllm") else "tab:gray" for _, label in bars])  # fmt: skip
-        for i, (v, _) in enumerate(bars):
-            ax.text(v, i, f" {v:.0f}", va="center")
-        ax.set_xlabel("output tokens/s")
-        ax.set_xlim(right=max(v for v, _ in bars) * 1.12)
-        fig.suptitle(_title("Offline throughput", results) + f", {sizes.pop()} prompts, {shape[0]} -> {shape[1]} tokens")
-        ax.grid(True, axis="x", alpha=0.4)
-        path = out / "throughput_vs_prompts.png"
-        fig.savefig(path, dpi=120)
-        return path
-    ticks: set[int] = set()
-    for shape, engines in sorted(series.items(), key=lambda kv: str(kv[0])):
-        suffix = f", {shape[0]} -> {shape[1]} tokens" if len(series) > 1 else ""
-        for label, points in sorted(engines.items()):
-            ns = sorted(points)
-            ticks.update(ns)
-            ours = label.startswith("pagedllm")
-            ax.plot(ns, [mean(points[n]) for n in ns], marker="o" if ours else "s",
-                    linestyle="-" if ours else "--", label=label.replace(")", suffix + ")"))  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(ticks), labels=[str(n) for n in sorted(ticks)])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel("number of prompts (batch)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_ylim(bottom=0)
-    lens = {(s[0], s[1]) for s in series}
-    in_len, out_len = lens.pop() if len(lens) == 1 else (None, None)
-    lens_note = f", {in_len} -> {out_len} tokens" if in_len is not None and out_len is not None else ""
-    ax.set_title(_title("Offline throughput", results) + lens_note)
-    ax.grid(True, which="major", alpha=0.4)
-    ax.legend()
+        _throughput_bars(fig, ax, series, sizes.pop(), results)
+    else:
+        _throughput_lines(ax, series, results)
     path = out / "throughput_vs_prompts.png"
     fig.savefig(path, dpi=120)
     return path

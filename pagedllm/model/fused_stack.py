@@ -81,8 +81,8 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps
 
 
 class FusedDecoderStack:
-    """Decides per step whether the one-call stack runs, and keeps its plan (the captured
-    pointers), rebuilt when the packed weights or the KV caches it captured change."""
+    """Decides per step whether the one-call stack runs, and keeps its two plans (small and big
+    steps: the captured pointers), rebuilt when the weights or the KV caches they captured change."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None

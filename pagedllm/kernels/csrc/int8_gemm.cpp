@@ -48,7 +48,6 @@
 
 #include "common.h"
 
-#include <memory>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
