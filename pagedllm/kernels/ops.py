@@ -187,13 +187,19 @@ def write_kv(
     """Store each token's K/V ([T, Hkv, D]) in its cache slot."""
     T, Hkv, D = k.shape
     rows_ok = (T == 1 or k.stride(0) == v.stride(0)) and k.stride()[1:] == v.stride()[1:] == (D, 1)
-    if not (_native(k, v, key_cache, value_cache) and rows_ok and key_cache.is_contiguous()):
+    write = _WRITE_KV.get(key_cache.dtype) if value_cache.dtype is key_cache.dtype else None
+    if write is None or not (_native(k, v) and rows_ok and key_cache.is_contiguous() and value_cache.is_contiguous()
+                             and key_cache.is_cpu and value_cache.is_cpu):  # fmt: skip
         reference.write_kv(k, v, key_cache, value_cache, slot_mapping)
         return
-    load_kernels().write_kv_f32(
+    getattr(load_kernels(), write)(
         _ptr(k), _ptr(v), k.stride(0), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping.contiguous()),
         key_cache.shape[0] * key_cache.shape[1], T, Hkv * D, torch.get_num_threads(),
     )
+
+
+# The cache dtypes write_kv stores natively (fp16 / bf16 rounded as torch's .to(): same bytes).
+_WRITE_KV = {_F32: "write_kv_f32", torch.float16: "write_kv_f16", torch.bfloat16: "write_kv_bf16"}
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

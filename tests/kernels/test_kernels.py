@@ -175,6 +175,36 @@ def test_write_kv_and_silu_and_mul_match_torch():
     torch.testing.assert_close(native, torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
 
 
+def check_half_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 / bf16 caches: the native write stores the bytes of torch's .to() (round to nearest
+    even), for rounding ties, overflow to infinity, subnormals and underflow, from strided rows."""
+    assert ops.load_kernels() is not None
+    g = torch.Generator().manual_seed(1)
+    T, Hkv, D = 6, 2, 20  # 40 values per row: the vector loop plus a scalar tail
+    qkv = torch.randn(T, 3 * Hkv * D, generator=g) * 4
+    k, v = qkv[:, Hkv * D : 2 * Hkv * D].view(T, Hkv, D), qkv[:, 2 * Hkv * D :].view(T, Hkv, D)
+    half_ulp = 2.0**-11
+    k[0, 0, :16] = torch.tensor([1 + half_ulp, 1 + 3 * half_ulp, -(1 + half_ulp), 65504.0, 65519.0, 65520.0, 1e6,
+                                 -1e6, float("inf"), float("-inf"), 2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 3 * 2.0**-25,
+                                 2.0**-15 * 1.3, 0.0])  # fmt: skip
+    v[1, 1, :8] = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 3.4e38, 1e-40, -0.0, 2.0**-126, 7.0])
+    slots = torch.tensor([9, 0, 15, 4, 2, 11])
+    for dtype in (torch.float16, torch.bfloat16):
+        caches = [torch.zeros(4, 4, Hkv, D, dtype=dtype) for _ in range(4)]
+        with monkeypatch.context() as m:  # the native kernel, not the twin
+            m.setattr(reference, "write_kv", None)
+            ops.write_kv(k, v, caches[0], caches[1], slots)
+        with ops.torch_only():
+            ops.write_kv(k, v, caches[2], caches[3], slots)
+        for a, b in ((0, 2), (1, 3)):
+            assert torch.equal(caches[a].view(torch.int16), caches[b].view(torch.int16)), dtype
+        assert torch.equal(caches[0].view(-1, Hkv, D)[slots].view(torch.int16), k.to(dtype).view(torch.int16))
+
+
+def test_native_half_cache_writes_match_torch(monkeypatch):
+    check_half_writes(monkeypatch)
+
+
 def check_against_the_twins(lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GEMM, attention and glue kernel of `lib` against its pure-torch twin (and the small-step
     GEMM against the panels of the same library, bit for bit: batch invariance on this path)."""
@@ -212,6 +242,7 @@ def check_against_the_twins(lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5, res), want, rtol=1e-5, atol=1e-5)
     gate_up = torch.randn(9, 80)
     torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
+    check_half_writes(monkeypatch)
 
 
 def test_portable_build_matches_the_torch_twins(monkeypatch):

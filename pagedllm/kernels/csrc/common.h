@@ -91,6 +91,40 @@ inline float pagedllm_f16_to_f32(uint16_t h) {
 #endif
 }
 
+// fp32 -> IEEE fp16, rounded to nearest even as torch's .to(torch.float16): overflow gives an
+// infinity, a NaN stays a NaN (quiet), tiny values become fp16 subnormals or zero.
+inline uint16_t pagedllm_f32_to_f16(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    const uint16_t sign = uint16_t((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00 | uint16_t((ax >> 13) & 0x3FF);  // NaN
+    if (ax >= 0x477FF000u) return sign | 0x7C00;  // rounds to >= 65520: infinity
+    if (ax < 0x38800000u) {  // below fp16's smallest normal: a multiple of 2^-24
+        if (ax < 0x33000000u) return sign;  // at most half of 2^-24 (a tie goes to even: 0)
+        const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+        const int shift = 126 - int(ax >> 23);  // 14..24 bits dropped
+        const uint32_t kept = mant >> shift, rest = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+        return sign | uint16_t(kept + (rest > half || (rest == half && (kept & 1))));
+    }
+    // Normal: rebias the exponent, round the 13 dropped mantissa bits (a carry may bump it).
+    const uint32_t rebased = ax - 0x38000000u;
+    const uint32_t rest = rebased & 0x1FFFu, kept = rebased >> 13;
+    return sign | uint16_t(kept + (rest > 0x1000u || (rest == 0x1000u && (kept & 1))));
+#endif
+}
+
+// fp32 -> bf16, rounded to nearest even as torch's .to(torch.bfloat16) (a NaN: its 0x7FC0).
+inline uint16_t pagedllm_f32_to_bf16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return uint16_t((x + 0x7FFFu + ((x >> 16) & 1)) >> 16);
+}
+
 // The dense GEMM's micro-kernel driver (cpu_kernels.cpp): y[rows, cols] (row stride ldy) =
 // x[rows, K] (row stride ldx) @ panel, one 16-column panel stored k-major ([K][16], 32-byte
 // aligned), as reference.pack_panels lays it out.

@@ -61,6 +61,10 @@ void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int6
               int nthreads);
 void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
                   const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads);
+void write_kv_f16(const float* k, const float* v, int64_t row_stride, uint16_t* key_cache, uint16_t* value_cache,
+                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads);
+void write_kv_bf16(const float* k, const float* v, int64_t row_stride, uint16_t* key_cache, uint16_t* value_cache,
+                   const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads);
 void silu_and_mul_f32(float* out, const float* gate_up, int64_t T, int64_t I, int nthreads);
 void apply_token_bitmask_f32(float* logits, int64_t logits_stride, const int64_t* rows, int64_t num_rows,
                              const int32_t* bitmask, int64_t bitmask_stride, int64_t vocab, int nthreads);
@@ -1039,19 +1043,55 @@ void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int6
     }
 }
 
-// Copy each token's K and V rows ([T, Hkv*D], rows row_stride apart) into its cache slot.
-// Prefill chunks write their rows on all threads: the first write to a pool page faults it in
-// (the pool is committed on first touch), and faults taken in parallel cost half the wall time.
-void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
-                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads) {
+namespace {
+// One K or V row into the cache's element type: a copy, or rounding to nearest even as torch's
+// .to() (so the twin, reference.write_kv, stores the same bytes).
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void store_row(f16_t* dst, const float* src, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) dst[i].bits = pagedllm_f32_to_f16(src[i]);
+}
+inline void store_row(bf16_t* dst, const float* src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = pagedllm_f32_to_bf16(src[i]);
+}
+
+// Each token's K and V rows ([T, Hkv*D], rows row_stride apart) into its cache slot. Prefill
+// chunks write their rows on all threads: the first write to a pool page faults it in (the
+// pool is committed on first touch), and faults taken in parallel cost half the wall time.
+template <typename T>
+void write_kv(const float* k, const float* v, int64_t row_stride, T* key_cache, T* value_cache,
+              const int64_t* slot_mapping, int64_t num_slots, int64_t T_, int64_t width, int nthreads) {
     (void)num_slots;
-#pragma omp parallel for num_threads(nthreads) if (T >= 64) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
+#pragma omp parallel for num_threads(nthreads) if (T_ >= 64) schedule(static)
+    for (int64_t t = 0; t < T_; t++) {
         PAGEDLLM_CHECK(0 <= slot_mapping[t] && slot_mapping[t] < num_slots, "slot %ld outside [0, %ld)",
                        long(slot_mapping[t]), long(num_slots));
-        std::memcpy(key_cache + slot_mapping[t] * width, k + t * row_stride, sizeof(float) * width);
-        std::memcpy(value_cache + slot_mapping[t] * width, v + t * row_stride, sizeof(float) * width);
+        store_row(key_cache + slot_mapping[t] * width, k + t * row_stride, width);
+        store_row(value_cache + slot_mapping[t] * width, v + t * row_stride, width);
     }
+}
+}  // namespace
+
+void write_kv_f32(const float* k, const float* v, int64_t row_stride, float* key_cache, float* value_cache,
+                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads) {
+    write_kv(k, v, row_stride, key_cache, value_cache, slot_mapping, num_slots, T, width, nthreads);
+}
+
+void write_kv_f16(const float* k, const float* v, int64_t row_stride, uint16_t* key_cache, uint16_t* value_cache,
+                  const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads) {
+    static_assert(sizeof(f16_t) == 2, "f16_t is the stored half");
+    write_kv(k, v, row_stride, reinterpret_cast<f16_t*>(key_cache), reinterpret_cast<f16_t*>(value_cache),
+             slot_mapping, num_slots, T, width, nthreads);
+}
+
+void write_kv_bf16(const float* k, const float* v, int64_t row_stride, uint16_t* key_cache, uint16_t* value_cache,
+                   const int64_t* slot_mapping, int64_t num_slots, int64_t T, int64_t width, int nthreads) {
+    write_kv(k, v, row_stride, key_cache, value_cache, slot_mapping, num_slots, T, width, nthreads);
 }
 
 // logits[rows[r], t] = -inf where bit t % 32 of bitmask[r, t / 32] is clear (structured outputs).
