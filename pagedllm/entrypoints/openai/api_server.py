@@ -100,9 +100,14 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# Engine-side names of request fields (the input processor sees a prompt as its token ids).
+_FIELD_ALIASES = {"prompt_token_ids": "prompt"}
+
+
 def _param_of(message: str) -> str | None:
     """Our ValueErrors start with the offending field's name."""
     word = message.split(" ", 1)[0].strip("'\":,")
+    word = _FIELD_ALIASES.get(word, word)
     if word in _FIELDS:
         return word
     head = word.split(".", 1)[0].split("[", 1)[0]  # "tools[0].function.name" -> "tools"
