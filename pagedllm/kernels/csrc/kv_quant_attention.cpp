@@ -354,16 +354,30 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
         }
     }
     // Memory latency, not arithmetic, bounds this loop (the blocks are scattered, so hardware
-    // prefetchers cannot follow): K rows are requested two blocks ahead, and each block's V rows
-    // while its K rows are used, so pass 2 finds them in L2 (a sequence's V rows of one head
-    // are 20 KiB at 320 int8 tokens).
+    // prefetchers cannot follow): the next block's K rows are requested while this one's are
+    // used, and each block's V rows too, so pass 2 finds them in L2 (a sequence's V rows of one
+    // head are 20 KiB at 320 int8 tokens). A few rows at a time as the block's keys are scored
+    // (prefetch_share), not all at once: as in attend_heads (cpu_kernels.cpp), bursts left
+    // DRAM idle between them.
+    auto prefetch_part = [&](const T* cache, const float* scales, int64_t blk, int64_t i, int64_t parts) {
+        if (blk >= b_hi) return;
+        const int64_t lo_row = block_size * i / parts, hi_row = block_size * (i + 1) / parts;
+        prefetch_rows<PREFETCH_L1>(row_of(cache, table[blk], lo_row), hi_row - lo_row, row_stride * int64_t(sizeof(T)),
+                                   row_bytes * prefetch_heads);
+        if (scales != nullptr && i == 0)
+            prefetch_rows<PREFETCH_L1>(scales + row_index(table[blk], 0), 1, 0, block_size * num_kv_heads * int64_t(sizeof(float)));
+    };
+    auto prefetch_share = [&](int64_t b, int64_t i, int64_t parts) {  // part i of `parts`: K of b + 1, V of b
+        prefetch_part(key_cache, key_scales, b + 1, i, parts);
+        prefetch_part(value_cache, value_scales, b, i, parts);
+    };
     prefetch_block(key_cache, key_scales, b_lo);
     for (int64_t b = b_lo; b < b_hi; b++) {
-        prefetch_block(key_cache, key_scales, b + 1);
-        prefetch_block(value_cache, value_scales, b);
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
         if constexpr (int8_cache) {
             const int64_t blk = table[b];
+            const int64_t parts = G * ((block_size + 7) / 8);  // one share per (head, 8 keys)
+            int64_t part = 0;
             for (int g = 0; g < G; g++) {
                 float* sc = buf.scores.data() + g * sstride + (b * block_size - base);
                 const int8_t* qg = buf.q8.data() + g * D;
@@ -372,6 +386,7 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
 #ifdef PAGEDLLM_AVX2
                 if (D == 64 || D == 128) {
                     for (; r < r1; r += 8) {
+                        if (part < parts) prefetch_share(b, part++, parts);
                         const int n = int(std::min<int64_t>(8, r1 - r));
                         const int8_t* rows[8];
                         alignas(32) float ks[8];
@@ -393,9 +408,13 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
                 }
                 vmax[g] = range_max(sc + r0, r1 - r0, vmax[g]);
             }
+            while (part < parts) prefetch_share(b, part++, parts);  // what the loops did not ask for
             continue;
         }
-        rows_of(key_cache, key_scales, b, r0, r1);
+        for (int64_t r = r0; r < r1; r++) {  // one share per row dequantised
+            prefetch_share(b, r - r0, r1 - r0);
+            rows_of(key_cache, key_scales, b, r, r + 1);
+        }
         for (int g = 0; g < G; g++) {
             float* sc = buf.scores.data() + g * sstride + (b * block_size - base);
             const float* qg = buf.qs.data() + g * D;
