@@ -329,12 +329,15 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
             dequant_row(tile + r * D, row_of(cache, blk, r), s, D);
         }
     };
-    // A block's rows of this head (and of the next prefetch_heads - 1, adjacent in each slot: the
-    // item's first head fetches them for the others into L2), and its scales (all heads').
-    auto prefetch_block = [&](const T* cache, const float* scales, int64_t b) {
+    // Part i of `parts` of a block's rows of this head (and of the next prefetch_heads - 1,
+    // adjacent in each slot: the item's first head fetches them for the others into L2), and
+    // with part 0 the block's scales (all heads'). The whole block: part 0 of 1.
+    auto prefetch_part = [&](const T* cache, const float* scales, int64_t b, int64_t i = 0, int64_t parts = 1) {
         if (b >= b_hi) return;
-        prefetch_rows<PREFETCH_L1>(row_of(cache, table[b], 0), block_size, row_stride * int64_t(sizeof(T)), row_bytes * prefetch_heads);
-        if (scales != nullptr)
+        const int64_t lo_row = block_size * i / parts, hi_row = block_size * (i + 1) / parts;
+        prefetch_rows<PREFETCH_L1>(row_of(cache, table[b], lo_row), hi_row - lo_row, row_stride * int64_t(sizeof(T)),
+                                   row_bytes * prefetch_heads);
+        if (scales != nullptr && i == 0)
             prefetch_rows<PREFETCH_L1>(scales + row_index(table[b], 0), 1, 0, block_size * num_kv_heads * int64_t(sizeof(float)));
     };
     // Pass 1: scores, block by block.
@@ -359,19 +362,11 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     // head are 20 KiB at 320 int8 tokens). A few rows at a time as the block's keys are scored
     // (prefetch_share), not all at once: as in attend_heads (cpu_kernels.cpp), bursts left
     // DRAM idle between them.
-    auto prefetch_part = [&](const T* cache, const float* scales, int64_t blk, int64_t i, int64_t parts) {
-        if (blk >= b_hi) return;
-        const int64_t lo_row = block_size * i / parts, hi_row = block_size * (i + 1) / parts;
-        prefetch_rows<PREFETCH_L1>(row_of(cache, table[blk], lo_row), hi_row - lo_row, row_stride * int64_t(sizeof(T)),
-                                   row_bytes * prefetch_heads);
-        if (scales != nullptr && i == 0)
-            prefetch_rows<PREFETCH_L1>(scales + row_index(table[blk], 0), 1, 0, block_size * num_kv_heads * int64_t(sizeof(float)));
-    };
     auto prefetch_share = [&](int64_t b, int64_t i, int64_t parts) {  // part i of `parts`: K of b + 1, V of b
         prefetch_part(key_cache, key_scales, b + 1, i, parts);
         prefetch_part(value_cache, value_scales, b, i, parts);
     };
-    prefetch_block(key_cache, key_scales, b_lo);
+    prefetch_part(key_cache, key_scales, b_lo);
     for (int64_t b = b_lo; b < b_hi; b++) {
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
         if constexpr (int8_cache) {
@@ -433,9 +428,9 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     for (int g = 0; g < G; g++) inv[g] = 1.f / softmax_exp(buf.scores.data() + g * sstride + (lo - base), ctx - lo, vmax[g]);
     // Pass 2: weighted sum of V rows, block by block, every head on the same tile. The V rows
     // prefetched in pass 1 may have left L1 since: the next block's are requested again.
-    prefetch_block(value_cache, value_scales, b_lo + 1);
+    prefetch_part(value_cache, value_scales, b_lo + 1);
     for (int64_t b = b_lo; b < b_hi; b++) {
-        prefetch_block(value_cache, value_scales, b + 2);
+        prefetch_part(value_cache, value_scales, b + 2);
         const int64_t r0 = std::max<int64_t>(lo - b * block_size, 0), r1 = std::min(block_size, ctx - b * block_size);
 #ifdef PAGEDLLM_AVX2
         if constexpr (int8_cache) {
