@@ -8,13 +8,14 @@ else (``why_not``):
 
 - every layer's four linears hold the form ``Linear`` itself would use for the step: GGUF
   blocks of a type the stack knows (Q4_1, Q8_0) up to ``PACKED_MAX_ROWS`` tokens, fp32 panels
-  above (``big_steps``);
+  above (``big_steps``); or, in the fast modes (``activation_dtype="int8"/"int16"``), one
+  segment of int8 panels (Q4_0, Q4_1, Q8_0) at every step size, all on the same activation bits;
 - the native kernels are built and on (not inside ``ops.torch_only()``);
 - the attention backend declares ``fused_decoder_stack`` (its attention is what the stack computes);
 - no linear has a bias;
-- the model computes in fp32 and every layer's KV cache is fp32 and contiguous.
+- the model computes in fp32 and every layer's KV cache is contiguous fp32, fp16 or bf16 (not
+  the int8 / fp8 caches with scales);
 - every layer's MLP is dense (the stack has no mixture-of-experts routing);
-- no linear takes int8 activations (``activation_dtype="int8"``: the stack multiplies in fp32);
 - no row of the step has a LoRA adapter (the deltas are added by ``Linear``, which the stack
   bypasses; a LoRA-enabled engine's steps of base-model requests alone still take the stack).
 
@@ -37,8 +38,11 @@ from pagedllm.model.linear import PACKED_MAX_ROWS, packed_generation
 
 logger = logging.getLogger("pagedllm.model")
 
-_QTYPES = {"Q4_1": 0, "Q8_0": 1}  # decoder_stack_f32's codes for a linear's weight form
+# decoder_stack_f32's codes for a linear's weight form: GGUF group-blocks, fp32 panels, int8 panels.
+_QTYPES = {"Q4_1": 0, "Q8_0": 1}
 _PANELS = 2
+_INT8_QTYPES = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5}
+_KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # its codes for the caches' element
 
 
 def _linears(layer) -> tuple:
@@ -63,21 +67,37 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps
                 "attention) are not in the native stack")
     if model.norm.weight.dtype != torch.float32:
         return f"the model computes in {model.norm.weight.dtype}"
+    bits = set()
     for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
         for lin in _linears(layer):
-            if lin.int8 is not None:
-                return f"layer {i}'s linears take integer activations (activation_dtype=int{lin.int8.bits})"
-            if big_steps and lin.panels is None:
-                return f"layer {i} has a linear without fp32 panels (big steps run on them)"
-            if not big_steps and (lin.packed is None or lin.qtype not in _QTYPES):
-                return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
             if lin.bias is not None:
                 return f"layer {i} has a linear with a bias"
+            if lin.int8 is not None:
+                segments = lin.int8.segments
+                if len(segments) != 1 or segments[0].qtype not in _INT8_QTYPES:
+                    return f"layer {i} has an int8 linear of mixed or unsupported block types ({lin.int8.qtypes})"
+                bits.add(lin.int8.bits)
+            elif big_steps and lin.panels is None:
+                return f"layer {i} has a linear without fp32 panels (big steps run on them)"
+            elif not big_steps and (lin.packed is None or lin.qtype not in _QTYPES):
+                return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
         if isinstance(kc, QuantizedKV) or isinstance(vc, QuantizedKV):
-            return f"layer {i}'s KV cache is quantised ({kc.dtype}), not contiguous fp32"
-        if kc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous()):
-            return f"layer {i}'s KV cache is {kc.dtype}, not contiguous fp32"
+            return f"layer {i}'s KV cache is quantised ({kc.dtype}), not contiguous fp32 / fp16 / bf16"
+        if kc.dtype not in _KV_DTYPES or vc.dtype != kc.dtype or not (kc.is_contiguous() and vc.is_contiguous()):
+            return f"layer {i}'s KV cache is {kc.dtype}, not contiguous fp32 / fp16 / bf16"
+        if kc.dtype != kv_caches[0][0].dtype:
+            return f"layer {i}'s KV cache is {kc.dtype}, layer 0's {kv_caches[0][0].dtype}"
+    if len(bits) > 1:
+        return f"the linears take integer activations of different widths ({sorted(bits)} bits)"
     return None
+
+
+def _form(lin, big_steps: bool) -> tuple[int, torch.Tensor]:
+    """(decoder_stack_f32's code, weight tensor) of the form ``Linear`` runs this step size on."""
+    if lin.int8 is not None:
+        segment = lin.int8.segments[0]
+        return _INT8_QTYPES[segment.qtype], segment.panels
+    return (_PANELS, lin.panels) if big_steps else (_QTYPES[lin.qtype], lin.packed)
 
 
 class FusedDecoderStack:
@@ -116,24 +136,29 @@ class FusedDecoderStack:
 class _NativePlan:
     """The pointers of one model's weights and KV caches, laid out for ``decoder_stack_f32``."""
 
-    def __init__(self, model, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list, num_blocks: int):
+    def __init__(self, model, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list, num_blocks: int, kv_dtype: int,
+                 act_bits: int):  # fmt: skip
         self.model, self.ptrs, self.qtypes, self._keep, self.num_blocks = model, ptrs, qtypes, keep, num_blocks
+        self.kv_dtype, self.act_bits = kv_dtype, act_bits
 
     @classmethod
     def build(cls, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps: bool) -> "_NativePlan":
         """Small steps' plan points at the GGUF blocks, big steps' at the fp32 panels (the forms
-        ``Linear`` uses for such steps; both give a row the same bits)."""
-        rows, qtypes, keep = [], [], []
+        ``Linear`` uses for such steps; both give a row the same bits); int8 linears at their
+        panels in both."""
+        rows, qtypes, keep, bits = [], [], [], 8
         for layer, (kc, vc) in zip(model.layers, kv_caches):
             linears = _linears(layer)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            weights = [lin.panels if big_steps else lin.packed for lin in linears]
-            tensors = (*norms, *weights, kc, vc)
+            forms = [_form(lin, big_steps) for lin in linears]
+            tensors = (*norms, *(w for _, w in forms), kc, vc)
             keep += tensors
             rows.append([t.data_ptr() for t in tensors])
-            qtypes.append([_PANELS if big_steps else _QTYPES[lin.qtype] for lin in linears])
+            qtypes.append([code for code, _ in forms])
+            bits = next((lin.int8.bits for lin in linears if lin.int8 is not None), bits)
         rows_t, qtypes_t = torch.tensor(rows, dtype=torch.int64), torch.tensor(qtypes, dtype=torch.int32)
-        return cls(model, rows_t, qtypes_t, keep, kv_caches[0][0].shape[0])
+        kv = kv_caches[0][0]
+        return cls(model, rows_t, qtypes_t, keep, kv.shape[0], _KV_DTYPES[kv.dtype], bits)
 
     def run(self, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         m, arch = self.model, self.model.arch
@@ -147,8 +172,9 @@ class _NativePlan:
             arch.num_kv_heads, arch.head_dim, arch.intermediate_size, positions.data_ptr(), m.rope.cos.data_ptr(),
             m.rope.sin.data_ptr(), m.rope.cos.shape[0], slots.data_ptr(), tables.data_ptr(), tables.stride(0),
             seq_lens.data_ptr(), qsl.data_ptr(), meta.num_seqs, meta.block_size, self.num_blocks,
-            m.layers[0].self_attn.scale, torch.get_num_threads(),
+            m.layers[0].self_attn.scale, self.kv_dtype, self.act_bits, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"decoder_stack_f32 refused its arguments (status {status}: an unknown block type)")
+            why = "an unknown block type or KV dtype" if status == 1 else "the int8 GEMM refused a weight"
+            raise RuntimeError(f"decoder_stack_f32 refused its arguments (status {status}: {why})")
         return out

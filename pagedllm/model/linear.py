@@ -68,7 +68,7 @@ class Linear(nn.Module):
         self.lora = None
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name in ("packed", "panels"):  # the native decoder stack captured their pointers
+        if name in ("packed", "panels", "int8"):  # the native decoder stack captured their pointers
             global _packed_generation
             _packed_generation += 1
         super().__setattr__(name, value)

@@ -446,13 +446,17 @@ def test_decoder_stack_refuses_an_unknown_block_type():
     from pagedllm.kernels.build import load_kernels
 
     qtypes = torch.tensor([[0, 1, 7, 0]], dtype=torch.int32)  # 7: no such type
-    args = [0] * 27
+    args = [0] * 29
     args[3] = qtypes.data_ptr()
     args[4] = 1  # one layer
     args[6] = 1e-5
-    args[-2] = 0.1
+    args[-4] = 0.1  # scale; then the KV dtype (0: fp32), the activation bits and the threads
+    args[-2] = 8
     args[-1] = 1
     assert load_kernels().decoder_stack_f32(*args) == 1  # refused before touching any pointer
+    qtypes[0, 2] = 5  # int8 panels of Q8_0: known, but an unknown KV dtype is refused too
+    args[-3] = 3
+    assert load_kernels().decoder_stack_f32(*args) == 1
 
 
 def test_apply_token_bitmask_matches_its_twin_and_the_bit_order():

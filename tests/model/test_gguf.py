@@ -194,16 +194,21 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path):
         LLM(str(f))
 
 
-def test_one_call_decoder_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("activation_dtype, kv_cache_dtype", [("float32", "auto"), ("int8", "float16"),
+                                                             ("int16", "bfloat16")])  # fmt: skip
+def test_one_call_decoder_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch, activation_dtype,
+                                                                kv_cache_dtype):  # fmt: skip
     """Steps of a packed fp32 model run all layers in one native call (GGUF blocks up to
-    PACKED_MAX_ROWS tokens, fp32 panels above); the per-layer path (the same kernels called
-    from Python) must give the same tokens and logprobs, and the same prompt logprobs bit for
-    bit from a big prefill step."""
+    PACKED_MAX_ROWS tokens, fp32 panels above; the fast modes' int8 panels at every size; fp32,
+    fp16 or bf16 KV caches); the per-layer path (the same kernels called from Python) must give
+    the same tokens and logprobs, and the same prompt logprobs bit for bit from a big prefill
+    step."""
     from pagedllm.model import fused_stack
 
     hf_dir = save_tiny_model(tmp_path / "hf", seed=4)
     gguf_file = write_llama_gguf(hf_dir, tmp_path / "tiny.gguf", quant="Q4_1")
-    llm = LLM(str(gguf_file), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    llm = LLM(str(gguf_file), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9,
+              activation_dtype=activation_dtype, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     runner = llm.llm_engine.runner
     model = runner.model
     assert fused_stack.why_not(model, runner.kv_caches) is None
@@ -247,9 +252,9 @@ def test_the_decoder_stack_rule_says_why_it_is_off(tmp_path):
     assert stack.get(model, TorchSDPAAttention(), kv, 1) is None  # backend without the capability
     with ops.torch_only():
         assert stack.get(model, runner.backend, kv, 1) is None
-    bf16_kv = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in kv]
-    assert "KV cache" in fused_stack.why_not(model, bf16_kv)
-    assert stack.get(model, runner.backend, bf16_kv, 1) is None
+    f64_kv = [(k.to(torch.float64), v.to(torch.float64)) for k, v in kv]
+    assert "KV cache" in fused_stack.why_not(model, f64_kv)
+    assert stack.get(model, runner.backend, f64_kv, 1) is None
     lin = model.layers[1].mlp.down_proj
     saved = lin.packed
     lin.packed = saved.clone()  # new weights: the plan is rebuilt on them
