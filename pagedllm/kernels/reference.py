@@ -206,8 +206,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 INT8_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the GGUF block types with an integer kernel (GGML numbers)
 _FILE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 INT8_COLS = 16  # output columns per panel
-INT8_HEADER = {"Q4_0": 64, "Q4_1": 128, "Q8_0": 64}  # fp32 dw (and mw) of the panel's 16 columns
-INT8_RECORD = {"Q4_0": 64 + 256, "Q4_1": 128 + 256, "Q8_0": 64 + 512}  # bytes per panel and block
+INT8_HEADER = {"Q4_0": 64, "Q4_1": 64, "Q8_0": 64}  # fp16 dw, then fp16 mw (Q4_1) or zeros: 16 columns
+INT8_RECORD = {q: INT8_HEADER[q] + (512 if q == "Q8_0" else 256) for q in INT8_HEADER}  # bytes per panel and block
 
 
 ACTIVATION_LEVELS = {8: 127, 16: 32258}  # the largest quant of int8 / wide (254 * 127) activations
@@ -282,8 +282,8 @@ def dequantize_fields(fields: Fields, qtype: str) -> torch.Tensor:
 def pack_int8_panels(fields: Fields, qtype: str) -> torch.Tensor:
     """The int8 kernel's panels [ceil(N/16), K/32, record] uint8 from a weight's fields.
 
-    Per panel (16 output rows, zero rows pad the last) and block b: fp32 dw[16], for Q4_1 fp32
-    mw[16], then per group g of 4 k the 16 rows' 4 quants side by side (row j at bytes 4j..4j+3);
+    Per panel (16 output rows, zero rows pad the last) and block b: fp16 dw[16], for Q4_1 fp16
+    mw[16] (else 32 zero bytes: records stay cache-line aligned), then per group g of 4 k the 16 rows' 4 quants side by side (row j at bytes 4j..4j+3);
     Q4_0 / Q4_1 hold groups c and c + 4 in the low and high nibbles of chunk c (raw nibbles 0..15),
     Q8_0 its int8 quants (csrc/int8_gemm.cpp)."""
     q, d, m = fields
@@ -291,16 +291,19 @@ def pack_int8_panels(fields: Fields, qtype: str) -> torch.Tensor:
     nb, p = k // QK, -(-n // INT8_COLS)
     pad = p * INT8_COLS - n
 
-    def header(t: torch.Tensor) -> torch.Tensor:  # [N, nb] fp32 -> [P, nb, 64] bytes
-        t = torch.cat([t.float(), t.new_zeros(pad, nb, dtype=torch.float32)])
-        return t.view(p, INT8_COLS, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    def header(t: torch.Tensor) -> torch.Tensor:  # [N, nb] fp16 values -> [P, nb, 32] bytes
+        h = t.to(torch.float16)
+        if not torch.equal(h.float(), t.float()):  # GGUF scales are fp16: never rounded here
+            raise ValueError("int8 panels keep fp16 block scales; these scales are not fp16 values")
+        h = torch.cat([h, h.new_zeros(pad, nb)])
+        return h.view(p, INT8_COLS, nb).transpose(1, 2).contiguous().view(torch.uint8)
 
     qp = torch.cat([q, q.new_zeros(pad, k)]).view(p, INT8_COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [P, nb, g, 16, 4]
     if qtype == "Q8_0":
         quants = qp.to(torch.int8).contiguous().view(torch.uint8).reshape(p, nb, -1)
     else:
         quants = (qp[:, :, :4] | (qp[:, :, 4:] << 4)).to(torch.uint8).reshape(p, nb, -1)
-    parts = [header(d)] + ([header(m)] if qtype == "Q4_1" else []) + [quants]
+    parts = [header(d), header(m) if qtype == "Q4_1" else torch.zeros(p, nb, 32, dtype=torch.uint8), quants]
     return torch.cat(parts, dim=-1).contiguous()
 
 
@@ -308,9 +311,9 @@ def int8_panel_fields(panels: torch.Tensor, qtype: str, out_features: int, in_fe
     """The fields back from the panels (``pack_int8_panels``'s inverse)."""
     p, nb = panels.shape[0], in_features // QK
     h = INT8_HEADER[qtype]
-    rows = lambda t: t.contiguous().view(torch.float32).transpose(1, 2).reshape(-1, nb)[:out_features]  # noqa: E731
-    d = rows(panels[..., :64])
-    m = rows(panels[..., 64:128]) if qtype == "Q4_1" else None
+    rows = lambda t: t.contiguous().view(torch.float16).float().transpose(1, 2).reshape(-1, nb)[:out_features]  # noqa: E731
+    d = rows(panels[..., :32])
+    m = rows(panels[..., 32:64]) if qtype == "Q4_1" else None
     raw = panels[..., h:]
     if qtype == "Q8_0":
         qg = raw.contiguous().view(torch.int8).reshape(p, nb, 8, INT8_COLS, 4).to(torch.int16)

@@ -17,7 +17,7 @@ parity prompts do not change.
 
 Everything happens here, once, after the model is loaded (``convert_model``): each eligible
 ``Linear`` gets an ``Int8Weight`` (``Linear.set_int8``), its weight repacked into the kernel's
-int8 panels (0.75 bytes per weight for Q4_x, 1.125 for Q8_0, plus fp32 scales); the layer's exact
+int8 panels (0.625 bytes per weight for Q4_x, 1.125 for Q8_0, their fp16 scales included); the layer's exact
 forms (fp32 copy/panels, grouped blocks) are then released. Layers of other types, and those in
 ``keep_exact``, stay on the fp32 path, and the startup log says which.
 """

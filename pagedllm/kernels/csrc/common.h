@@ -133,6 +133,17 @@ void pagedllm_panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, co
                           int64_t rows);
 
 #ifdef PAGEDLLM_AVX2
+// 8 fp16 values widened (exactly) to fp32: the GGUF and int8 GEMMs' scales, fp16 KV caches.
+inline __m256 pagedllm_load_f16x8(const uint16_t* h) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+#else
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; i++) f[i] = pagedllm_f16_to_f32(h[i]);
+    return _mm256_load_ps(f);
+#endif
+}
+
 // The sum of v's eight lanes.
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

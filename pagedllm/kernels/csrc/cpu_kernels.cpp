@@ -126,17 +126,7 @@ inline void axpy(float* y, float alpha, const T* x, int n) {
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-// 8 fp16 values widened (exactly) to fp32 (also the GGUF GEMM's scales, below).
-inline __m256 load_f16x8(const uint16_t* h) {
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-#else
-    alignas(32) float f[8];
-    for (int i = 0; i < 8; i++) f[i] = pagedllm_f16_to_f32(h[i]);
-    return _mm256_load_ps(f);
-#endif
-}
-inline __m256 load8(const f16_t* p) { return load_f16x8(&p->bits); }
+inline __m256 load8(const f16_t* p) { return pagedllm_load_f16x8(&p->bits); }
 inline __m256 load8(const bf16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -552,7 +542,7 @@ inline void weights16(const GroupQ8_0& g, int k, float* w) {
 #ifdef PAGEDLLM_AVX2
 // A Q8_0 group-block's scales held in registers while its 32 k pass.
 struct ScalesQ8_0 { __m256 d0, d1; };
-inline ScalesQ8_0 scales(const GroupQ8_0& g) { return {load_f16x8(g.d), load_f16x8(g.d + 8)}; }
+inline ScalesQ8_0 scales(const GroupQ8_0& g) { return {pagedllm_load_f16x8(g.d), pagedllm_load_f16x8(g.d + 8)}; }
 
 // Q4_1 by chunks of 4 columns. Lane j of `lo` (`hi`: the word shifted down a nibble) holds
 // row j's (row j + 8's) quant of column 4c + t in bits 8t..8t+3, so AND with 0xF << 8t gives
@@ -563,14 +553,14 @@ inline ScalesQ8_0 scales(const GroupQ8_0& g) { return {load_f16x8(g.d), load_f16
 struct ChunkScalesQ4_1 { __m256 d[4][2]; __m256 m0, m1; };
 inline ChunkScalesQ4_1 chunk_scales(const GroupQ4_1& g) {
     ChunkScalesQ4_1 s;
-    const __m256 d0 = load_f16x8(g.d), d1 = load_f16x8(g.d + 8);
+    const __m256 d0 = pagedllm_load_f16x8(g.d), d1 = pagedllm_load_f16x8(g.d + 8);
     for (int t = 0; t < 4; t++) {
         const __m256 p = _mm256_set1_ps(1.f / float(1 << (8 * t)));
         s.d[t][0] = _mm256_mul_ps(d0, p);
         s.d[t][1] = _mm256_mul_ps(d1, p);
     }
-    s.m0 = load_f16x8(g.m);
-    s.m1 = load_f16x8(g.m + 8);
+    s.m0 = pagedllm_load_f16x8(g.m);
+    s.m1 = pagedllm_load_f16x8(g.m + 8);
     return s;
 }
 inline void weights_of_chunk(__m256i lo, __m256i hi, const ChunkScalesQ4_1& s, int t, __m256& w0, __m256& w1) {

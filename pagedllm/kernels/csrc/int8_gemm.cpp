@@ -6,7 +6,11 @@
 // sum of its quants sx (int32; with dx: the Q4_1 minimum's term, and the Q4_0 / Q8_0 offsets).
 // Weights: repacked once at load (pagedllm/kernels/reference.py: pack_int8_panels) into panels
 // of 16 output rows ("columns" of y); for each 32-weight block index b a panel holds a record:
-//   [dw: 16 fp32] [mw: 16 fp32, Q4_1 only] [quants]
+//   [dw: 16 fp16] [mw: 16 fp16 for Q4_1, else 32 zero bytes] [quants]
+// (the GGUF blocks' own fp16 scales, widened exactly to fp32 when used: a one-row step reads
+// 0.625 bytes per Q4_1 weight, as the GGUF blocks themselves; the header stays 64 bytes so
+// that every record, and every 64-byte load of quants, starts on a cache line - Q8_0 records
+// of 544 bytes measured 15% slower in the LM head than 576)
 // quants, for each group g of 4 consecutive k (8 per block): the 16 columns' 4 bytes side by
 // side (64 bytes, column j at bytes 4j..4j+3) - the lane layout of vpdpbusd / vpmaddwd, whose
 // int32 lane j sums 4 byte products. Q4_x packs two groups in one 64-byte chunk c (0..3):
@@ -70,7 +74,7 @@ enum : int32_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
 constexpr int COLS = 16;  // output columns per panel
 constexpr int QK = 32;    // weights per block
 
-template <int32_t T> constexpr int HEADER = T == T_Q4_1 ? 128 : 64;        // dw (and mw) bytes
+template <int32_t T> constexpr int HEADER = 64;  // fp16 dw, then fp16 mw (Q4_1) or padding
 template <int32_t T> constexpr int QUANT_BYTES = T == T_Q8_0 ? 512 : 256;  // 16 columns x 32 k
 template <int32_t T> constexpr int RECORD = HEADER<T> + QUANT_BYTES<T>;
 // The integer accumulator of a block starts at -OFFSET * sx (see the file comment).
@@ -182,6 +186,8 @@ inline void store_row(float* y, const float* v, int cols) { std::memcpy(y, v, si
 // the 2 * MR accumulators (int32 for the block, fp32 for the row) stay in registers.
 typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
 inline __m512i bcast4_512(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
+// A panel record's 16 fp16 scales, widened (exactly) to fp32.
+inline __m512 load_f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // MR rows of x (from row m0) against NP adjacent panels (16 * NP columns of y; the last panel
 // has `cols` valid ones): each broadcast quadruple of x meets NP panels' weights, and MR is a
@@ -270,14 +276,14 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
                 for (int j = 0; j < NP; j++) s[i][j] = _mm512_add_epi32(_mm512_mullo_epi32(s[i][j], k254), s2[i][j]);
         }
         for (int j = 0; j < NP; j++) {
-            const __m512 dw = _mm512_loadu_ps(rec[j]);
+            const __m512 dw = load_f16x16(rec[j]);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
                 const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[i][j]), dw);
                 acc[i][j] = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[(m0 + i) * xq.nb + b]), acc[i][j]);
             }
             if constexpr (T == T_Q4_1) {
-                const __m512 mw = _mm512_loadu_ps(rec[j] + 64);
+                const __m512 mw = load_f16x16(rec[j] + 32);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++)
                     acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m0 + i, b)), acc[i][j]);
@@ -362,16 +368,15 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
                 s[0][i][c] = isum;
             }
         }
-        const __m256 dw0 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
-        const __m256 dw1 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8);
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(rec);  // fp16 dw[16], then (Q4_1) mw[16]
+        const __m256 dw0 = pagedllm_load_f16x8(h), dw1 = pagedllm_load_f16x8(h + 8);
         for (int i = 0; i < MR; i++) {
             const __m256 dx = _mm256_set1_ps(xq.d[(m0 + i) * xq.nb + b]);
             acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0][i][0]), dw0), dx, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0][i][1]), dw1), dx, acc[i][1]);
         }
         if constexpr (T == T_Q4_1) {
-            const __m256 m0v = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64));
-            const __m256 m1v = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8);
+            const __m256 m0v = pagedllm_load_f16x8(h + 16), m1v = pagedllm_load_f16x8(h + 24);
             for (int i = 0; i < MR; i++) {
                 const __m256 xs = _mm256_set1_ps(dx_times_sx(xq, m0 + i, b));
                 acc[i][0] = _mm256_fmadd_ps(m0v, xs, acc[i][0]);
@@ -403,9 +408,13 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
             const int8_t* xb = xq.q + m * xq.K + b * QK;
             const int8_t* xb2 = WIDE ? xq.q2 + m * xq.K + b * QK : nullptr;
             const int32_t sx = xq.s[m * xq.nb + b];
+            uint16_t h[2 * COLS];  // fp16 dw[16], then (Q4_1) mw[16]
+            std::memcpy(h, rec, sizeof h);
             float dw[COLS], mw[COLS];
-            std::memcpy(dw, rec, sizeof dw);
-            if constexpr (T == T_Q4_1) std::memcpy(mw, rec + 64, sizeof mw);
+            for (int j = 0; j < COLS; j++) {
+                dw[j] = pagedllm_f16_to_f32(h[j]);
+                mw[j] = T == T_Q4_1 ? pagedllm_f16_to_f32(h[COLS + j]) : 0.f;
+            }
             const float dx = xq.d[m * xq.nb + b];
             const float xs = T == T_Q4_1 ? dx_times_sx(xq, m, b) : 0.f;
             for (int j = 0; j < COLS; j++) {
