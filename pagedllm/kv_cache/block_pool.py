@@ -1,8 +1,13 @@
 """The pool of KV-cache blocks: reference counts, an ordered free queue, and the prefix cache.
 
 A block is free exactly when its reference count is 0; free blocks sit in a doubly linked
-queue so any of them can be taken out in O(1). New blocks are taken from the head; freed
-blocks join the tail, so the head is always the least recently freed block (LRU).
+queue so any of them can be taken out in O(1). New blocks are taken from the head. A freed
+block that holds cached content (a hash, below) joins the tail, so cached blocks are evicted
+least recently freed first (LRU), and only after every block that holds nothing findable: a
+freed block without a hash joins the head (the last freed is reused first). So the blocks in
+use cycle through the same memory - pages already committed, often still in the CPU's caches -
+instead of walking the whole pool and first-touching all of it (the pool's pages are committed
+only when first written: kv_cache_dtype.py), while the prefix cache keeps everything it had.
 
 Prefix caching: a full block may carry a content hash (see ``hash_block``) and be listed in
 ``cached_blocks``. A freed block keeps its hash and contents; a later request with the same
@@ -63,12 +68,18 @@ class FreeBlockQueue:
             self.append(b)
 
     def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVBlock | None, block: KVBlock) -> None:
+        assert prev is not None and prev.next_free is not None
+        if block.prev_free is not None or block.next_free is not None:
+            raise RuntimeError(f"{block} is already in the free queue")
+        block.prev_free, block.next_free = prev, prev.next_free
+        prev.next_free.prev_free = block
+        prev.next_free = block
         self.num_free_blocks += 1
 
     def remove(self, block: KVBlock) -> None:
@@ -143,9 +154,13 @@ class BlockPool:
             self.cached_blocks[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
-        """Forget every hash; blocks keep their owners, but nothing is found by content."""
+        """Forget every hash; blocks keep their owners, but nothing is found by content (so the
+        free ones among them move to the head: they hold nothing findable any more)."""
         for b in self.cached_blocks.values():
             b.block_hash = None
+            if b.ref_cnt == 0:
+                self.free_block_queue.remove(b)
+                self.free_block_queue.appendleft(b)
         self.cached_blocks.clear()
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -156,13 +171,17 @@ class BlockPool:
             b.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block, in the given order (it becomes eviction order)."""
+        """Drop one reference from each block, in the given order: a block left unreferenced joins
+        the tail if cached (the given order becomes eviction order), else the head (reused first)."""
         for b in blocks:
             if b.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_block_queue.append(b)
+                if b.block_hash is None:
+                    self.free_block_queue.appendleft(b)
+                else:
+                    self.free_block_queue.append(b)
 
     def check_integrity(self) -> None:
         """Free queue holds exactly the blocks with no references, each once."""

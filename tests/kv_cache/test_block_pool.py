@@ -84,20 +84,47 @@ def test_new_blocks_come_from_head_in_id_order():
     pool.check_integrity()
 
 
-def test_freed_blocks_join_tail_in_given_order_and_are_reused_in_that_order():
+def test_freed_blocks_without_content_join_the_head_last_freed_first():
     pool = BlockPool(6)
     blocks = pool.get_new_blocks(4)  # 0 1 2 3 ; free: 4 5
-    # Free in a scrambled order: they must join the tail in exactly this order.
+    # Free in a scrambled order: each joins the head, so the last freed comes first.
     pool.free_blocks([blocks[2], blocks[0], blocks[3]])
-    assert free_ids(pool) == [4, 5, 2, 0, 3]
+    assert free_ids(pool) == [3, 0, 2, 4, 5]
     assert all(blocks[i].ref_cnt == 0 for i in (0, 2, 3))
     assert blocks[1].ref_cnt == 1
     pool.check_integrity()
 
-    # Allocation order = head first: the never-used ones, then the freed ones in free order.
+    # Allocation order = head first: the freed ones (memory already written), then never-used.
     again = pool.get_new_blocks(5)
-    assert ids(again) == [4, 5, 2, 0, 3]
+    assert ids(again) == [3, 0, 2, 4, 5]
     assert pool.num_free_blocks == 0
+    pool.check_integrity()
+
+
+def test_freed_cached_blocks_join_the_tail_in_given_order_behind_the_rest():
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(4)  # 0 1 2 3 ; free: 4 5
+    for i, h in ((2, b"h2"), (0, b"h0")):
+        pool.cache_block(blocks[i], h)
+    pool.free_blocks([blocks[2], blocks[3], blocks[0], blocks[1]])
+    # The cached ones keep the given order at the tail (eviction order), after the never-used
+    # blocks; the empty ones went to the head.
+    assert free_ids(pool) == [1, 3, 4, 5, 2, 0]
+    assert ids(pool.get_new_blocks(5)) == [1, 3, 4, 5, 2]  # 2 is evicted only when nothing else is left
+    assert pool.get_cached_block(b"h2") is None and pool.get_cached_block(b"h0") is blocks[0]
+    pool.check_integrity()
+
+
+def test_reset_prefix_cache_moves_the_free_cached_blocks_to_the_head():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_block(blocks[0], b"h0")
+    pool.cache_block(blocks[1], b"h1")
+    pool.free_blocks([blocks[0], blocks[1]])  # block 2 stays in use
+    assert free_ids(pool) == [3, 4, 0, 1]
+    pool.reset_prefix_cache()
+    assert free_ids(pool) == [1, 0, 3, 4]  # nothing findable now: reused first
+    assert pool.cached_blocks == {} and all(b.block_hash is None for b in pool.blocks)
     pool.check_integrity()
 
 
@@ -119,7 +146,7 @@ def test_ref_counts_with_touch_and_free():
     assert pool.num_free_blocks == 3
     pool.free_blocks([b])
     assert b.ref_cnt == 0
-    assert free_ids(pool) == [1, 2, 3, 0]
+    assert free_ids(pool) == [0, 1, 2, 3]
     assert pool.num_free_blocks == 4
     pool.check_integrity()
 
@@ -127,18 +154,18 @@ def test_ref_counts_with_touch_and_free():
 def test_touching_a_free_block_removes_it_from_free_queue():
     pool = BlockPool(5)
     blocks = pool.get_new_blocks(2)
-    pool.free_blocks(blocks)  # free queue: 2 3 4 0 1
-    assert free_ids(pool) == [2, 3, 4, 0, 1]
-    target = pool.blocks[4]
+    pool.free_blocks(blocks)  # free queue: 1 0 2 3 4
+    assert free_ids(pool) == [1, 0, 2, 3, 4]
+    target = pool.blocks[2]
     assert target.ref_cnt == 0
     pool.touch([target])  # revive a free block from the middle of the queue
     assert target.ref_cnt == 1
-    assert free_ids(pool) == [2, 3, 0, 1]
+    assert free_ids(pool) == [1, 0, 3, 4]
     assert pool.num_free_blocks == 4
     pool.check_integrity()
     # It can no longer be handed out as a new block.
     got = pool.get_new_blocks(4)
-    assert ids(got) == [2, 3, 0, 1]
+    assert ids(got) == [1, 0, 3, 4]
     assert target not in got
     with pytest.raises(RuntimeError):
         pool.get_new_blocks(1)

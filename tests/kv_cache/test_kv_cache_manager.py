@@ -98,18 +98,19 @@ def test_free_releases_blocks_in_reverse_order():
     assert kv.allocate_slots("a", 0, 12)  # blocks 0 1 2
     assert kv.allocate_slots("b", 0, 4)  # block 3
     kv.free("a")
-    # Tail block first: 2 is freed before 1 before 0.
-    assert free_ids(kv) == [4, 5, 2, 1, 0]
+    # Tail block first: 2 is freed before 1 before 0, each to the head (they hold nothing
+    # findable), so the next request reuses them in the same order, before never-used 4 and 5.
+    assert free_ids(kv) == [0, 1, 2, 4, 5]
     assert kv.get_block_ids("a") == []
     assert "a" not in kv.req_to_blocks
     kv.check_integrity()
     # Freeing an unknown or already freed request is a no-op.
     kv.free("a")
     kv.free("nobody")
-    assert free_ids(kv) == [4, 5, 2, 1, 0]
-    # New allocations take the head: never used blocks first, then the old tail block.
+    assert free_ids(kv) == [0, 1, 2, 4, 5]
+    # New allocations take the head: the freed blocks (memory already written) first.
     assert kv.allocate_slots("c", 0, 12)
-    assert kv.get_block_ids("c") == [4, 5, 2]
+    assert kv.get_block_ids("c") == [0, 1, 2]
     kv.check_integrity()
 
 
@@ -144,7 +145,7 @@ def test_fork_shares_blocks_and_copy_on_write_of_partial_last_block():
     # Freeing the parent leaves the child's blocks alive.
     kv.free("p")
     assert ref(kv, 0) == 1 and ref(kv, 1) == 0 and ref(kv, 2) == 1
-    assert free_ids(kv)[-1] == 1  # the parent's private block went back; block 0 did not
+    assert free_ids(kv)[0] == 1  # the parent's private block went back (to the head); block 0 did not
     assert 0 not in free_ids(kv)
     kv.free("c")
     assert kv.num_free_blocks == 8
@@ -317,8 +318,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         before_free = free_ids(self.kv)
         released = [b for b in reversed(ids) if ref(self.kv, b) == 1]
         self.kv.free(rid)
-        # Blocks whose last owner left join the tail, tail block first.
-        assert free_ids(self.kv) == before_free + released
+        # Blocks whose last owner left hold nothing findable (no prefix caching here): they join
+        # the head, tail block first, so the head is now the request's first block.
+        assert free_ids(self.kv) == released[::-1] + before_free
         assert self.kv.get_block_ids(rid) == []
         del self.length[rid]
         for b in ids:

@@ -53,18 +53,19 @@ def test_free_queue_order_is_eviction_order_and_a_miss_evicts_in_that_order():
     kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=True)
     admit(kv, "a", list(range(0, 9)))  # blocks 0,1 full + 2 partial
     admit(kv, "b", list(range(50, 58)) + [1])  # blocks 3,4 full + 5 partial
-    kv.free("a")  # tail first: 2, 1, 0
-    kv.free("b")  # then 5, 4, 3
+    kv.free("a")  # tail first: 2 (partial, uncached: to the head), then 1, 0 (cached: to the tail)
+    kv.free("b")  # then 5 (head), 4, 3 (tail)
     order = [b.block_id for b in kv.block_pool.free_block_queue]
-    assert order == [2, 1, 0, 5, 4, 3]
+    assert order == [5, 2, 1, 0, 4, 3]
     cached_before = dict(kv.block_pool.cached_blocks)
     assert len(cached_before) == 4
-    # A request that shares nothing takes blocks from the head, evicting in that order.
+    # A request that shares nothing takes blocks from the head: the uncached ones first, then
+    # it evicts in that order.
     admit(kv, "c", list(range(900, 912)))
-    assert kv.get_block_ids("c") == [2, 1, 0]
-    evicted = {h for h, blk in cached_before.items() if blk.block_id in (1, 0)}
+    assert kv.get_block_ids("c") == [5, 2, 1]
+    evicted = {h for h, blk in cached_before.items() if blk.block_id == 1}
     assert not evicted & set(kv.block_pool.cached_blocks)
-    assert all(kv.block_pool.blocks[i].block_hash is not None for i in (3, 4))
+    assert all(kv.block_pool.blocks[i].block_hash is not None for i in (0, 3, 4))  # block 0 kept
     kv.check_integrity()
 
 
