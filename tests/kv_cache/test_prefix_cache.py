@@ -155,3 +155,28 @@ def test_blocks_join_the_cache_only_once_computed():
     assert kv.get_computed_blocks("b", tokens) == []
     kv.free("a")
     assert not kv.block_pool.cached_blocks
+
+
+def test_sequential_requests_reuse_the_same_blocks_unless_they_hold_cached_content():
+    """The pool's pages are committed when first written: one request after another must cycle
+    through the same few blocks, not walk the whole pool - without prefix caching always, with it
+    once the content of the freed blocks is forgotten (their hashes kept them at the tail)."""
+    for caching in (False, True):
+        kv = KVCacheManager(num_blocks=64, block_size=BS, enable_caching=caching)
+        used = set()
+        for i in range(20):
+            tokens = [1000 * i + j for j in range(3 * BS + 1)]  # 4 blocks, nothing shared
+            admit(kv, f"r{i}", tokens)
+            used.update(kv.get_block_ids(f"r{i}"))
+            kv.free(f"r{i}")
+            if caching:
+                kv.reset_prefix_cache()
+        assert len(used) == 4, (caching, sorted(used))
+        kv.check_integrity()
+    kv = KVCacheManager(num_blocks=64, block_size=BS, enable_caching=True)
+    used = set()
+    for i in range(10):  # cached content is kept: fresh blocks first, while there are any
+        admit(kv, f"r{i}", [1000 * i + j for j in range(3 * BS + 1)])
+        used.update(kv.get_block_ids(f"r{i}"))
+        kv.free(f"r{i}")
+    assert len(used) == 3 * 10 + 1  # every request's 3 full blocks stay cached; the partial one is reused
