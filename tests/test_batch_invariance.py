@@ -90,3 +90,23 @@ def test_logprobs_do_not_depend_on_the_batch_chunking_or_cache(engines, sampling
         tokens, values = _run(cached, sampling, batch=3)
         assert tokens == base_tokens, run
         assert torch.equal(values, base), f"{run}: max difference {(values - base).abs().max().item():.3g}"
+
+
+def test_the_fast_mode_is_batch_invariant_too():
+    """``activation_dtype="int8"`` with an fp16 cache: each row's activations are quantized on
+    their own scales and its K/V rounded alone, so the property holds in the fast mode as well
+    (its kernels run through the same one-call stack)."""
+    kw = dict(max_num_seqs=64, activation_dtype="int8", kv_cache_dtype="float16")
+    whole, chunked = LLM(max_num_batched_tokens=2048, **kw), LLM(max_num_batched_tokens=16, **kw)
+    base_tokens, base = _run(whole, "greedy", batch=1)
+    assert len(base_tokens) == MAX_TOKENS and base.numel() > MAX_TOKENS * 20
+    for name, (llm, b) in {"batch of 17": (whole, 17), "chunked at 16": (chunked, 9)}.items():
+        tokens, values = _run(llm, "greedy", batch=b)
+        assert tokens == base_tokens, name
+        assert torch.equal(values, base), f"{name}: max difference {(values - base).abs().max().item():.3g}"
+    del whole, chunked
+    cached = LLM(max_num_batched_tokens=64, enable_prefix_caching=True, **kw)
+    for run in ("cold cache", "warm cache"):
+        tokens, values = _run(cached, "greedy", batch=3)
+        assert tokens == base_tokens, run
+        assert torch.equal(values, base), f"{run}: max difference {(values - base).abs().max().item():.3g}"
