@@ -75,7 +75,8 @@ def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
             if gaps:
                 per_token.append(statistics.mean(gaps))
             num_tokens += len(gaps) + 1
-            decode_cpu, decode_tokens, decode_wall = decode_cpu + cpu, decode_tokens + len(gaps), decode_wall + sum(gaps)
+            decode_cpu, decode_tokens = decode_cpu + cpu, decode_tokens + len(gaps)
+            decode_wall += sum(gaps)
     spec = llm.llm_engine.stats.spec_total
     parallel = parallel_stats(llm.llm_engine, before)
     llm.llm_engine.close()
@@ -137,6 +138,6 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         result["cpu_speedup_per_output_token"] = cpu
         rate = result["decode_tokens_per_s"] / max(result["plain"]["decode_tokens_per_s"], 1e-9)
         result["decode_tokens_per_s_speedup"] = rate
-        lines.append(f"speculative / plain: {speedup:.2f}x faster per output token, mean over requests ({rate:.2f}x "
-                     f"in decode tokens/s; {cpu:.2f}x in CPU time)")
+        lines.append(f"speculative / plain: {speedup:.2f}x faster per output token, mean over requests "
+                     f"({rate:.2f}x in decode tokens/s; {cpu:.2f}x in CPU time)")
     return report(result, "\n".join(lines), args.save_result)

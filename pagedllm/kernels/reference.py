@@ -207,7 +207,7 @@ INT8_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the GGUF block types with an i
 _FILE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 INT8_COLS = 16  # output columns per panel
 INT8_HEADER = {"Q4_0": 64, "Q4_1": 64, "Q8_0": 64}  # fp16 dw, then fp16 mw (Q4_1) or zeros: 16 columns
-INT8_RECORD = {q: INT8_HEADER[q] + (512 if q == "Q8_0" else 256) for q in INT8_HEADER}  # bytes per panel and block
+INT8_RECORD = {q: h + (512 if q == "Q8_0" else 256) for q, h in INT8_HEADER.items()}  # bytes a panel's block
 
 
 ACTIVATION_LEVELS = {8: 127, 16: 32258}  # the largest quant of int8 / wide (254 * 127) activations
@@ -283,9 +283,10 @@ def pack_int8_panels(fields: Fields, qtype: str) -> torch.Tensor:
     """The int8 kernel's panels [ceil(N/16), K/32, record] uint8 from a weight's fields.
 
     Per panel (16 output rows, zero rows pad the last) and block b: fp16 dw[16], for Q4_1 fp16
-    mw[16] (else 32 zero bytes: records stay cache-line aligned), then per group g of 4 k the 16 rows' 4 quants side by side (row j at bytes 4j..4j+3);
-    Q4_0 / Q4_1 hold groups c and c + 4 in the low and high nibbles of chunk c (raw nibbles 0..15),
-    Q8_0 its int8 quants (csrc/int8_gemm.cpp)."""
+    mw[16] (else 32 zero bytes: records stay cache-line aligned), then per group g of 4 k the 16
+    rows' 4 quants side by side (row j at bytes 4j..4j+3); Q4_0 / Q4_1 hold groups c and c + 4 in
+    the low and high nibbles of chunk c (raw nibbles 0..15), Q8_0 its int8 quants
+    (csrc/int8_gemm.cpp)."""
     q, d, m = fields
     n, k = q.shape
     nb, p = k // QK, -(-n // INT8_COLS)
@@ -311,7 +312,9 @@ def int8_panel_fields(panels: torch.Tensor, qtype: str, out_features: int, in_fe
     """The fields back from the panels (``pack_int8_panels``'s inverse)."""
     p, nb = panels.shape[0], in_features // QK
     h = INT8_HEADER[qtype]
-    rows = lambda t: t.contiguous().view(torch.float16).float().transpose(1, 2).reshape(-1, nb)[:out_features]  # noqa: E731
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [P, nb, 32] bytes -> [N, nb] fp32 (exact widening)
+        return t.contiguous().view(torch.float16).float().transpose(1, 2).reshape(-1, nb)[:out_features]
+
     d = rows(panels[..., :32])
     m = rows(panels[..., 32:64]) if qtype == "Q4_1" else None
     raw = panels[..., h:]

@@ -75,7 +75,7 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps
             if lin.int8 is not None:
                 segments = lin.int8.segments
                 if len(segments) != 1 or segments[0].qtype not in _INT8_QTYPES:
-                    return f"layer {i} has an int8 linear of mixed or unsupported block types ({lin.int8.qtypes})"
+                    return f"layer {i} has an int8 linear of mixed or unknown block types ({lin.int8.qtypes})"
                 bits.add(lin.int8.bits)
             elif big_steps and lin.panels is None:
                 return f"layer {i} has a linear without fp32 panels (big steps run on them)"
@@ -83,7 +83,8 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps
                 return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
         if isinstance(kc, QuantizedKV) or isinstance(vc, QuantizedKV):
             return f"layer {i}'s KV cache is quantised ({kc.dtype}), not contiguous fp32 / fp16 / bf16"
-        if kc.dtype not in _KV_DTYPES or vc.dtype != kc.dtype or not (kc.is_contiguous() and vc.is_contiguous()):
+        contiguous = kc.is_contiguous() and vc.is_contiguous()
+        if kc.dtype not in _KV_DTYPES or vc.dtype != kc.dtype or not contiguous:
             return f"layer {i}'s KV cache is {kc.dtype}, not contiguous fp32 / fp16 / bf16"
         if kc.dtype != kv_caches[0][0].dtype:
             return f"layer {i}'s KV cache is {kc.dtype}, layer 0's {kv_caches[0][0].dtype}"
@@ -136,8 +137,8 @@ class FusedDecoderStack:
 class _NativePlan:
     """The pointers of one model's weights and KV caches, laid out for ``decoder_stack_f32``."""
 
-    def __init__(self, model, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list, num_blocks: int, kv_dtype: int,
-                 act_bits: int):  # fmt: skip
+    def __init__(self, model, ptrs: torch.Tensor, qtypes: torch.Tensor, keep: list, num_blocks: int,
+                 kv_dtype: int, act_bits: int):  # fmt: skip
         self.model, self.ptrs, self.qtypes, self._keep, self.num_blocks = model, ptrs, qtypes, keep, num_blocks
         self.kv_dtype, self.act_bits = kv_dtype, act_bits
 

@@ -61,8 +61,8 @@ def test_the_decoder_linears_take_int8_activations(int4_engines):
     assert model.lm_head.int8 is None and model.lm_head.panels is not None  # checkpoint precision: no blocks
     caches = fast.llm_engine.runner.kv_caches
     assert fused_stack.why_not(model, caches) is None  # the one-call stack runs them (at every step size)
-    assert set(model.fused_stack.get(model, fast.llm_engine.runner.backend, caches, 1).qtypes.unique().tolist()) == {
-        fused_stack._INT8_QTYPES["Q4_1"]}
+    plan = model.fused_stack.get(model, fast.llm_engine.runner.backend, caches, 1)
+    assert set(plan.qtypes.unique().tolist()) == {fused_stack._INT8_QTYPES["Q4_1"]}
     assert all(m.int8 is None for m in exact.llm_engine.runner.model.modules() if isinstance(m, Linear))
 
 
