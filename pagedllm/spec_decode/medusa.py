@@ -32,10 +32,14 @@ DEFAULT_MEDUSA = HEADS_DIR / "smollm2-135m-instruct-medusa"
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, num_heads: int, hidden_size: int):
+    def __init__(self, num_heads: int, hidden_size: int, draft_vocab_size: int = 0):
         super().__init__()
         self.num_heads, self.hidden_size = num_heads, hidden_size
         self.heads = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        if draft_vocab_size:  # draft id -> the target's token id (a reduced draft vocabulary)
+            self.register_buffer("d2t", torch.arange(draft_vocab_size, dtype=torch.int64))
+        else:
+            self.d2t = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, num_heads, hidden]: each head's input to the LM head."""
@@ -45,7 +49,8 @@ class MedusaHeads(nn.Module):
         from safetensors.torch import save_file
 
         path.mkdir(parents=True, exist_ok=True)
-        config = {"method": "medusa", "num_heads": self.num_heads, "hidden_size": self.hidden_size} | meta
+        config = {"method": "medusa", "num_heads": self.num_heads, "hidden_size": self.hidden_size,
+                  "draft_vocab_size": 0 if self.d2t is None else len(self.d2t)} | meta  # fmt: skip
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path / "heads.safetensors"))
 
@@ -58,20 +63,24 @@ class MedusaHeads(nn.Module):
                 f"speculative_config.model: heads for hidden size {config['hidden_size']} and vocabulary "
                 f"{config.get('vocab_size')}; the target has {hidden_size} and {vocab_size}"
             )
-        heads = cls(config["num_heads"], hidden_size)
+        heads = cls(config["num_heads"], hidden_size, config.get("draft_vocab_size", 0))
         heads.load_state_dict(state)
+        if heads.d2t is not None and (heads.d2t.min() < 0 or heads.d2t.max() >= vocab_size):
+            raise ValueError(f"speculative_config.model: the Medusa heads at {path} map drafts outside the vocabulary")
         return heads.requires_grad_(False).eval()
 
 
 class MedusaProposer:
-    """Drafts from the heads; ``compute_logits`` is the target's LM head (fp32 logits)."""
+    """Drafts from the heads; ``lm_head`` reads a token out of each head's output: the
+    target's LM head (fp32 logits), or for heads with a draft vocabulary its rows of it
+    (``eagle.draft_lm_head``), whose argmax maps back through the heads' ``d2t``."""
 
     needs_hidden = True
 
-    def __init__(self, heads: MedusaHeads, k: int, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, heads: MedusaHeads, k: int, lm_head: Callable[[torch.Tensor], torch.Tensor]):
         if k > heads.num_heads:
             raise ValueError(f"speculative_config.num_speculative_tokens ({k}) exceeds the {heads.num_heads} Medusa heads")
-        self.heads, self.k, self.compute_logits = heads, k, compute_logits
+        self.heads, self.k, self.lm_head = heads, k, lm_head
 
     def forget(self, req_id: str) -> None:  # no per-request state
         pass
@@ -86,5 +95,8 @@ class MedusaProposer:
         if k <= 0:
             return [[] for _ in req_ids]
         x = self.heads(hidden.float())[:, :k]  # [n, k, hidden]
-        tokens = self.compute_logits(x.reshape(-1, x.shape[-1])).argmax(dim=-1).view(len(req_ids), k).tolist()
+        best = self.lm_head(x.reshape(-1, x.shape[-1])).argmax(dim=-1)
+        if self.heads.d2t is not None:
+            best = self.heads.d2t[best]
+        tokens = best.view(len(req_ids), k).tolist()
         return [t[: max(0, limit)] for t, limit in zip(tokens, limits)]

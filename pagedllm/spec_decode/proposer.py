@@ -17,6 +17,7 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import DEFAULT_EAGLE, EagleHead, EagleProposer
 from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaProposer
 from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.spec_decode.packed_linear import draft_lm_head, pack_linears
 
 
 class _State(Protocol):
@@ -145,12 +146,15 @@ def make_proposer(config: SpeculativeConfig, target: Any, draft_model: Any, pool
         head = EagleHead.load(Path(config.model or DEFAULT_EAGLE), target.arch.hidden_size, target.arch.vocab_size)
         drafter = EagleProposer(head, target, k, pool.num_blocks, pool.block_size, pool.max_model_len, pool.kv_spec,
                                 pool.backend, pool.device)  # fmt: skip
-        per_pass = (step_nbytes(head) + step_nbytes(target.lm_head)) / target_bytes
+        lm_head = drafter.lm_head if drafter.lm_head is not None else target.lm_head
+        per_pass = (step_nbytes(head) + step_nbytes(lm_head)) / target_bytes
         cost = DraftCost(fixed=DISPATCH_COST, per_token=per_pass + DISPATCH_COST)
     elif config.method == "medusa":
         heads = MedusaHeads.load(Path(config.model or DEFAULT_MEDUSA), target.arch.hidden_size, target.arch.vocab_size)
-        drafter = MedusaProposer(heads, k, target.compute_logits)
-        cost = DraftCost(fixed=(step_nbytes(heads) + step_nbytes(target.lm_head)) / target_bytes + DISPATCH_COST)
+        pack_linears(heads)  # read once per drafting step: Q8_0 blocks, not fp32
+        lm_head = target.lm_head if heads.d2t is None else draft_lm_head(target.lm_head, heads.d2t)
+        drafter = MedusaProposer(heads, k, target.compute_logits if heads.d2t is None else lm_head)
+        cost = DraftCost(fixed=(step_nbytes(heads) + step_nbytes(lm_head)) / target_bytes + DISPATCH_COST)
     return Proposer(config, drafter, cost)
 
 

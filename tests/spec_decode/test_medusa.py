@@ -25,14 +25,17 @@ def tiny_heads(tiny_llama_tok, tmp_path_factory):
 
 def _train_args(model, out):
     return ["train-draft-head", "--model", str(model), "--output", str(out), "--num-heads", "3",
-            "--num-prompts", "6", "--max-tokens", "24", "--epochs", "2", "--batch-size", "16", "--lr", "1e-2"]  # fmt: skip
+            "--num-prompts", "6", "--num-self-prompts", "2", "--max-tokens", "24", "--epochs", "2",
+            "--batch-size", "16", "--lr", "1e-2", "--draft-vocab-size", "128"]  # fmt: skip
 
 
 def test_training_writes_loadable_heads_that_learn(tiny_heads):
     config = json.loads((tiny_heads / "config.json").read_text())
     assert config["method"] == "medusa" and config["num_heads"] == 3 and config["hidden_size"] == 64
-    assert config["trained_on"]["positions"] > 6 * 10
+    assert config["trained_on"]["positions"] > 5 * 10 and config["draft_vocab_size"] == 128
+    assert len(config["held_out"]["top1_per_head"]) == 3
     heads = MedusaHeads.load(tiny_heads, 64, 49152)
+    assert heads.d2t.shape == (128,)
     assert any(h.weight.abs().sum() > 0 for h in heads.heads)  # moved away from the zero init
     with pytest.raises(ValueError, match="hidden size"):
         MedusaHeads.load(tiny_heads, 128, 49152)
@@ -50,6 +53,11 @@ def test_proposer_chains_each_heads_argmax_within_limits():
     assert p.propose(["a", "b", "c"], [[1], [1], [1]], [2, 1, 0], hidden) == [[0, 1], [0], []]
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         MedusaProposer(heads, 3, lambda x: x)
+    # With a draft vocabulary, the argmax is a draft id, mapped back to the target's token.
+    reduced = MedusaHeads(2, 4, draft_vocab_size=4)
+    reduced.load_state_dict(heads.state_dict() | {"d2t": torch.tensor([10, 20, 30, 40])})
+    p = MedusaProposer(reduced, 2, lambda x: x)
+    assert p.propose(["a"], [[1]], [2], torch.zeros(1, 4)) == [[10, 20]]
 
 
 def test_medusa_drafts_keep_greedy_tokens(tiny_llama_tok, tiny_heads, default_tokenizer):
