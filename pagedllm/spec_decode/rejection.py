@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.outputs import RowLogprobs
-from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs
+from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs, inverse_cdf
 
 
 def verify_drafts(
@@ -65,16 +65,16 @@ def _accept_sampled(draft: list[int], p: torch.Tensor, g: torch.Generator) -> li
             continue
         residual = p[j].clone()
         residual[d] = 0
-        out.append(_draw(residual, g))  # the exponential race needs no normalisation
+        out.append(_draw(residual, g))  # inverse_cdf needs no normalisation
         return out
     out.append(_draw(p[len(draft)], g))
     return out
 
 
 def _draw(weights: torch.Tensor, g: torch.Generator) -> int:
-    """A draw proportional to ``weights`` (argmax of w / E, E ~ Exp(1), as the sampler does)."""
-    noise = torch.empty_like(weights).exponential_(generator=g)
-    return int((weights / noise).argmax())
+    """A draw proportional to ``weights`` [vocab], as the sampler draws (one uniform)."""
+    u = torch.rand(1, generator=g, dtype=torch.float64)
+    return int(inverse_cdf(weights[None], u)[0])
 
 
 def _logprobs(raw: torch.Tensor | None, batch: SamplingBatch, drafts: list[list[int]],

@@ -70,6 +70,25 @@ def test_top_p():
     assert keep.sum() < VOCAB  # the test means something
 
 
+def test_top_p_without_a_full_sort_keeps_what_the_sorted_rule_keeps():
+    """top_p_floor looks for the nucleus among the top 256, then 4,096 tokens, then sorts the
+    row; every stage must keep exactly the smallest prefix (by probability) whose mass reaches
+    top_p, as sorting every row does."""
+    from pagedllm.sampler.sampler import top_p_floor
+
+    torch.manual_seed(0)
+    vocab = 6000
+    logits = torch.cat([torch.randn(4, vocab) * s for s in (12.0, 4.0, 2.0, 0.3)])  # nuclei from a few tokens to most
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.99] * 4)
+    probs = logits.softmax(dim=-1)
+    keep = probs >= top_p_floor(probs, top_p)[:, None]
+    values, order = probs.sort(dim=-1, descending=True)
+    want = torch.zeros_like(keep).scatter(1, order, (values.cumsum(dim=-1) - values) < top_p[:, None])
+    assert torch.equal(keep, want)
+    sizes = keep.sum(dim=-1)
+    assert sizes.min() < 256 and ((sizes > 256) & (sizes < 4096)).any() and sizes.max() > 4096  # every stage ran
+
+
 def test_min_p():
     probs = softmax(LOGITS.numpy())
     min_p = 0.2
@@ -189,3 +208,14 @@ def test_grammar_bitmask_limits_rows_and_wins_over_a_conflicting_ban():
     assert out.token_ids[3] == 4  # the grammar wins: a row must never be left without a token
     # Log-probabilities stay the model's raw distribution.
     assert out.logprobs[1].token_logprob == pytest.approx(float(LOGITS.log_softmax(-1)[out.token_ids[1]]), abs=1e-6)
+
+
+def test_inverse_cdf_draws_by_cumulative_weight_and_never_a_zero_weight_token():
+    from pagedllm.sampler.sampler import inverse_cdf
+
+    w = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0]] * 5)
+    u = torch.tensor([0.0, 0.33, 1 / 3 + 1e-9, 0.999999, 1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(w, u).tolist() == [1, 1, 3, 3, 3]
+    big = torch.rand(3, 49152) * (torch.rand(3, 49152) < 0.001)  # mostly zeros, unnormalised
+    picks = inverse_cdf(big, torch.tensor([0.0, 0.5, 1 - 2**-53], dtype=torch.float64))
+    assert bool((big[torch.arange(3), picks] > 0).all())
