@@ -13,9 +13,10 @@ geometric run), both decayed so the estimate follows the text (a passage to copy
 prose). A request that drafts nothing probes with one token now and then, so it notices when
 drafting starts paying again: now, then after w, 2w, 4w ... steps up to a longest wait. A probe
 costs what a one-token draft costs (its proposer's work plus a verified row), so the waits grow
-with it: prompt lookup probes after 4, 8, 16 and every 32 steps; a drafter whose probe costs
-0.72 of a step (an EAGLE layer and an LM-head pass) after 15, 30, 60 and every 73 steps, which
-keeps probing near 1% of the work (the first probes of a short reply cost a little more).
+with it: prompt lookup (a probe is one verified row, 0.21 of a step) probes after 5, 10, 20
+and every 32 steps; a drafter whose probe costs 0.76 of a step after 16, 32, 64 and every 76
+steps, which keeps probing near 1% of the work (the first probes of a short reply cost a little
+more).
 
 Everything here depends only on the request's own tokens, never on timing or the batch, so the
 same request drafts the same way on every run.
@@ -30,12 +31,13 @@ from typing import Protocol
 from torch import nn
 
 # Extra cost of one more token in a decode step, in 1-token steps: measured on the default model
-# (fp32, exact), AMD EPYC Zen 4, after the one-row kernel reached ~22 GB/s: the 120 decoder
-# linears take 3.05 / 3.70 / 4.42 / 5.21 / 9.12 ms at 1 / 2 / 3 / 4 / 8 rows and the LM head
-# grows likewise, so a verifying step of 2 / 3 / 4 / 8 tokens costs ~1.17 / 1.33 / 1.51 / 2.5x a
-# plain one (5.3 ms): ~0.17 per token up to 4, 0.21 at 8. Each extra row adds one FMA per
-# weight, which the exact fp32 kernel cannot share between rows.
-VERIFY_COST_PER_TOKEN = 0.17
+# (fp32, exact), AMD EPYC Zen 4, whole engine steps of one request (median over steps whose
+# drafts were all accepted, same process): 2 / 3 / 4 tokens cost 1.21 / 1.35 / 1.63-1.66x a
+# plain step (5.8-6.1 ms), ~0.21 per drafted token. The decoder linears alone grow by ~0.17
+# per row (3.05 / 3.70 / 4.42 / 5.21 ms at 1 / 2 / 3 / 4 rows); the LM head, attention and the
+# verification's own work add the rest. Each extra row adds one FMA per weight, which the exact
+# fp32 kernel cannot share between rows.
+VERIFY_COST_PER_TOKEN = 0.21
 DECAY = 0.8  # weight of the older history at each verified draft
 FIRST_PROBE_WAIT = 4  # steps between the first probes of a request that drafts nothing ...
 MAX_PROBE_WAIT = 32  # ... doubling up to this (at least: expensive probes wait longer, below)

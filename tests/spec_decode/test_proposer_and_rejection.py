@@ -44,7 +44,7 @@ class _State:
 
 
 def test_proposer_skips_big_batches_and_params_it_cannot_verify_exactly():
-    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4, auto_length=False))
     rep = [1, 2, 3, 1, 2]
     states = [_State(rep), _State(rep, presence_penalty=0.5), _State(rep, min_tokens=3), _State(rep)]
     assert proposer.propose(states[:3], [True, True, True], [None] * 3) == [[3, 1], [], []]
@@ -73,9 +73,10 @@ def test_a_wholly_rejected_draft_backs_off_exponentially_and_an_accepted_one_res
 
 def test_best_length_trades_expected_tokens_against_cost():
     free = DraftCost()
-    assert best_length(0.9, 7, free) == 7  # cheap and accepted: draft all
+    assert best_length(0.95, 7, free) == 7  # cheap and accepted: draft all
     assert best_length(0.0, 7, free) == 0  # never accepted: verifying costs only
-    assert best_length(0.5, 7, free) == 2  # 1.75 tokens for 1.34 steps beats 1.875 for 1.51
+    assert best_length(0.5, 7, free) == 1  # 1.5 tokens for 1.21 steps beats 1.75 for 1.42
+    assert best_length(0.6, 7, free) == 2  # 1.96 tokens for 1.42 steps beats 1.6 for 1.21
     assert best_length(0.3, 3, DraftCost(per_token=0.3)) == 0  # 1.3 tokens for 1.47 steps: not worth it
     assert best_length(0.3, 3, DraftCost(per_token=0.05)) == 1
     assert best_length(0.95, 3, DraftCost(fixed=0.3)) == 3  # a fixed cost wants long drafts
@@ -126,9 +127,9 @@ def test_probes_are_rarer_the_more_a_probe_costs():
         return steps
 
     cheap, costly = probe_steps(DraftCost()), probe_steps(DraftCost(fixed=0.06, per_token=0.49))
-    assert cheap[:4] == [0, 5, 14, 31] and len(cheap) == 15  # waits 4, 8, 16, then every 32
-    assert costly[:4] == [0, 16, 47, 108] and len(costly) == 7  # waits 15, 30, 60, then every 73
-    for steps, cost in ((cheap, VERIFY_COST_PER_TOKEN), (costly, 0.72)):
+    assert cheap[:4] == [0, 6, 17, 38] and len(cheap) == 14  # waits 5, 10, 20, then every 32
+    assert costly[:4] == [0, 17, 50, 115] and len(costly) == 7  # waits 16, 32, 64, then every 76
+    for steps, cost in ((cheap, VERIFY_COST_PER_TOKEN), (costly, 0.76)):
         assert len(steps) * cost / 400 < 0.03
 
 
