@@ -167,9 +167,9 @@ def test_hostile_requests_never_hurt_normal_streams(faulty_server, tiny_llama_to
 def test_non_streaming_disconnect_frees_blocks_within_a_second(faulty_server, tiny_llama_tok):
     srv = faulty_server
     idle = srv.metric("pagedllm:kv_cache_usage_perc")
-    # 4 samples of 450 tokens: ~2.7 s of work here (one sample took 1.0 s, too close to the
-    # client's 1 s timeout once served decoding got fast)
-    body = {"model": str(tiny_llama_tok), "prompt": "A long answer please", "max_tokens": 450, "ignore_eos": True, "n": 4}
+    # 32 samples of 450 tokens: ~3 s of work offline (4 samples took ~2.7 s until sampling
+    # stopped drawing a random number per vocabulary entry, then too close to the client's 1 s)
+    body = {"model": str(tiny_llama_tok), "prompt": "A long answer please", "max_tokens": 450, "ignore_eos": True, "n": 32}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{srv.url}/v1/completions", json=body, timeout=1.0)
     left = time.monotonic()

@@ -97,7 +97,7 @@ def test_beta_parse_gives_a_pydantic_object(client, model):
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_forced_tool_calls_validate_against_their_schema(client, model, stream, choice):
     tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
-    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=200, temperature=0.7, seed=5)
+    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=300, temperature=0.7, seed=5)
     if stream:
         calls: dict[int, dict] = {}
         finish = None
