@@ -39,6 +39,7 @@ from torch import nn
 # fp32 kernel cannot share between rows.
 VERIFY_COST_PER_TOKEN = 0.21
 DECAY = 0.8  # weight of the older history at each verified draft
+MIN_GAIN = 1.05  # a draft must promise this many times plain decoding's tokens per unit of cost
 FIRST_PROBE_WAIT = 4  # steps between the first probes of a request that drafts nothing ...
 MAX_PROBE_WAIT = 32  # ... doubling up to this (at least: expensive probes wait longer, below)
 PROBE_SHARE = 0.01  # the share of the steps' work the longest waits leave to probes
@@ -66,8 +67,10 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 def best_length(a: float, k_max: int, cost: DraftCost, verify: float = VERIFY_COST_PER_TOKEN) -> int:
-    """The draft length with the most tokens per unit of step cost; 0 = plain decoding."""
-    best, best_rate = 0, 1.0
+    """The draft length with the most tokens per unit of step cost; 0 = plain decoding, unless
+    some length beats it by ``MIN_GAIN`` (the costs are measured to a few percent, so a draft
+    that promises less is as likely to lose)."""
+    best, best_rate = 0, MIN_GAIN
     for k in range(1, k_max + 1):
         rate = expected_tokens(a, k) / (1.0 + cost.fixed + k * (verify + cost.per_token))
         if rate > best_rate * (1 + 1e-9):

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.sampler.sampler import Sampler, SamplingBatch
-from pagedllm.spec_decode.draft_length import VERIFY_COST_PER_TOKEN, DraftCost, best_length, expected_tokens
+from pagedllm.spec_decode.draft_length import MIN_GAIN, VERIFY_COST_PER_TOKEN, DraftCost, best_length, expected_tokens
 from pagedllm.spec_decode.ngram import propose_ngram
 from pagedllm.spec_decode.proposer import Proposer
 
@@ -78,14 +78,17 @@ def test_best_length_trades_expected_tokens_against_cost():
     assert best_length(0.5, 7, free) == 1  # 1.5 tokens for 1.21 steps beats 1.75 for 1.42
     assert best_length(0.6, 7, free) == 2  # 1.96 tokens for 1.42 steps beats 1.6 for 1.21
     assert best_length(0.3, 3, DraftCost(per_token=0.3)) == 0  # 1.3 tokens for 1.47 steps: not worth it
-    assert best_length(0.3, 3, DraftCost(per_token=0.05)) == 1
+    assert best_length(0.4, 3, DraftCost(per_token=0.05)) == 1  # 1.4 tokens for 1.26 steps
+    assert best_length(0.3, 3, DraftCost(per_token=0.05)) == 0  # 1.3 for 1.26: within the margin, plain
     assert best_length(0.95, 3, DraftCost(fixed=0.3)) == 3  # a fixed cost wants long drafts
-    # The chosen length's rate is the best of all lengths (0 = plain decoding, rate 1).
+    # The chosen length's rate is the best of all lengths (0 = plain decoding, rate 1), unless
+    # no length beats plain decoding by MIN_GAIN.
     for a in np.linspace(0, 1, 21):
         for cost in (free, DraftCost(0.2, 0.1), DraftCost(0.0, 0.5)):
             rates = [expected_tokens(a, k) / (1 + (k > 0) * cost.fixed + k * (VERIFY_COST_PER_TOKEN + cost.per_token))
                      for k in range(8)]  # fmt: skip
-            assert rates[best_length(a, 7, cost)] == pytest.approx(max(rates))
+            k = best_length(a, 7, cost)
+            assert rates[k] == pytest.approx(max(rates)) if max(rates) > MIN_GAIN else k == 0
 
 
 def test_auto_length_follows_the_acceptance_rate_and_probes_when_drafting_stops():
