@@ -230,3 +230,29 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
         _ptr(logits), logits.stride(0), _ptr(rows), len(rows), _ptr(bitmask), bitmask.stride(0), vocab,
         torch.get_num_threads(),
     )
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of ``logits`` [rows, vocab] fp32 (native, CPU; every temperature > 0):
+    min-p, top-k and top-p over the temperature-scaled distribution, then the first token whose
+    cumulative probability exceeds ``u`` [rows] (float64 in [0, 1)). min_p 0, top_k 0 and top_p 1
+    are "off". The rule it follows, in torch, is ``Sampler.probs`` then ``inverse_cdf``
+    (pagedllm/sampler/sampler.py); callers check ``native_available()`` first."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and logits.dtype == _F32 and logits.is_cpu
+    out = torch.empty(rows, dtype=torch.int64)
+    temperature = temperature.to(_F32).contiguous()
+    min_p, top_p = min_p.to(_F32).contiguous(), top_p.to(_F32).contiguous()
+    top_k, u = top_k.to(torch.int64).contiguous(), u.to(torch.float64).contiguous()
+    load_kernels().sample_rows_f32(
+        _ptr(out), _ptr(logits), logits.stride(0), rows, vocab, _ptr(temperature), _ptr(min_p), _ptr(top_k),
+        _ptr(top_p), _ptr(u), torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -11,6 +11,11 @@ whose cumulative probability exceeds u (``inverse_cdf``). That is one random num
 instead of one per vocabulary entry (an "exponential race" over 49,152 entries cost ~1.1 ms a
 row here, the cumulative sum and search ~0.1). A seeded request draws its u from its own
 generator, so its tokens do not depend on the rest of the batch.
+
+Where the native kernels are built, temperature, min-p, top-k, top-p and the draw run in one
+native call (``native_draw``: a few passes over each row while it sits in cache, no sort);
+``probs`` + ``inverse_cdf`` are its torch rule, and the tests check that both draw the same
+token from the same uniform.
 """
 
 from __future__ import annotations
@@ -188,8 +193,11 @@ class Sampler:
         tokens = masked.argmax(dim=-1)
         if not batch.all_greedy:
             is_greedy = batch.temperatures.to(logits.device) == 0
-            probs = self.probs(masked, batch)
-            sampled = inverse_cdf(probs, self._uniforms(batch.generators, probs.device))
+            u = self._uniforms(batch.generators, logits.device)
+            if ops.native_available() and masked.is_cpu and masked.dtype == torch.float32:
+                sampled = native_draw(masked, batch, u, is_greedy)
+            else:
+                sampled = inverse_cdf(self.probs(masked, batch), u)
             tokens = torch.where(is_greedy, tokens, sampled)
 
         token_list = tokens.tolist()
@@ -242,6 +250,23 @@ class Sampler:
             if g is not None:
                 u[i] = torch.rand((), generator=g, dtype=torch.float64)
         return u.to(device)
+
+
+def native_draw(masked: torch.Tensor, batch: SamplingBatch, u: torch.Tensor, is_greedy: torch.Tensor) -> torch.Tensor:
+    """What ``inverse_cdf(Sampler.probs(masked, batch), u)`` draws, by the native kernel
+    (``ops.sample_rows``: a few passes over each row in cache instead of ~10 full-vocabulary torch
+    ops). Only the sampling rows are passed; greedy rows get 0 (their argmax is taken elsewhere)."""
+    rows = masked.shape[0]
+    temps = batch.temperatures.to(torch.float32)
+    min_p = batch.min_p if batch.min_p is not None else torch.zeros(rows)
+    top_k = batch.top_k if batch.top_k is not None else torch.zeros(rows, dtype=torch.int64)
+    top_p = batch.top_p if batch.top_p is not None else torch.ones(rows)
+    if not bool(is_greedy.any()):
+        return ops.sample_rows(masked, temps, min_p, top_k, top_p, u)
+    idx = (~is_greedy).nonzero()[:, 0]
+    out = torch.zeros(rows, dtype=torch.int64)
+    out[idx] = ops.sample_rows(masked[idx], temps[idx], min_p[idx], top_k[idx], top_p[idx], u[idx])
+    return out
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

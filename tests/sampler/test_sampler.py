@@ -9,7 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pagedllm.sampler.sampler import Sampler, SamplingBatch
+from pagedllm.kernels import ops
+from pagedllm.sampler.sampler import Sampler, SamplingBatch, inverse_cdf, native_draw
 
 VOCAB = 8
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -41,6 +42,18 @@ def assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
     assert p > 0.001, f"counts {counts} vs expected {exp.round(1)} (p={p:.2e})"
 
 
+@pytest.fixture(params=["native", "torch"])
+def path(request):
+    """The distribution tests run the native sampling kernel and its torch rule alike."""
+    if request.param == "torch":
+        with ops.torch_only():
+            yield request.param
+    else:
+        if not ops.native_available():
+            pytest.skip("no native kernels here (no C++ compiler): the torch rule is tested")
+        yield request.param
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     e = np.exp(x - x.max())
@@ -48,19 +61,19 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_temperature(temperature):
+def test_temperature(temperature, path):
     counts = sample_many({"temperature": temperature})
     assert_follows(counts, softmax(LOGITS.numpy() / temperature))
 
 
-def test_top_k():
+def test_top_k(path):
     counts = sample_many({"top_k": 3})
     probs = softmax(LOGITS.numpy())
     probs[3:] = 0
     assert_follows(counts, probs)
 
 
-def test_top_p():
+def test_top_p(path):
     probs = softmax(LOGITS.numpy())  # sorted descending already
     top_p = 0.8
     # Keep the smallest prefix whose mass reaches top_p.
@@ -89,7 +102,7 @@ def test_top_p_without_a_full_sort_keeps_what_the_sorted_rule_keeps():
     assert sizes.min() < 256 and ((sizes > 256) & (sizes < 4096)).any() and sizes.max() > 4096  # every stage ran
 
 
-def test_min_p():
+def test_min_p(path):
     probs = softmax(LOGITS.numpy())
     min_p = 0.2
     keep = probs >= min_p * probs.max()
@@ -98,7 +111,7 @@ def test_min_p():
     assert 1 < keep.sum() < VOCAB
 
 
-def test_temperature_then_top_k_then_top_p():
+def test_temperature_then_top_k_then_top_p(path):
     t, k, p = 0.7, 5, 0.9
     probs = softmax(LOGITS.numpy() / t)
     probs[k:] = 0
@@ -211,11 +224,52 @@ def test_grammar_bitmask_limits_rows_and_wins_over_a_conflicting_ban():
 
 
 def test_inverse_cdf_draws_by_cumulative_weight_and_never_a_zero_weight_token():
-    from pagedllm.sampler.sampler import inverse_cdf
-
     w = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0]] * 5)
     u = torch.tensor([0.0, 0.33, 1 / 3 + 1e-9, 0.999999, 1 - 2**-53], dtype=torch.float64)
     assert inverse_cdf(w, u).tolist() == [1, 1, 3, 3, 3]
     big = torch.rand(3, 49152) * (torch.rand(3, 49152) < 0.001)  # mostly zeros, unnormalised
     picks = inverse_cdf(big, torch.tensor([0.0, 0.5, 1 - 2**-53], dtype=torch.float64))
     assert bool((big[torch.arange(3), picks] > 0).all())
+
+
+def check_native_draws_follow_the_torch_rule(vocab: int = 49152) -> None:
+    """The native kernel (``ops.sample_rows``, whichever library ``ops.load_kernels`` gives)
+    draws, for the same uniforms, the very tokens the torch rule does (``Sampler.probs`` then
+    ``inverse_cdf``): temperature, min-p, top-k, top-p, masked (-inf) tokens, u at both ends."""
+    gen = torch.Generator().manual_seed(0)
+    rows = 24
+    for trial in range(12):
+        logits = torch.randn(rows, vocab, generator=gen) * (1.0 + 3.0 * (trial % 4))
+        logits[:, torch.randint(0, vocab, (vocab // 20,), generator=gen)] = float("-inf")
+        logits[0] = float("-inf")
+        logits[0, 7] = 0.5  # one allowed token
+        pick = torch.rand(4, rows, generator=gen)
+        batch = SamplingBatch(
+            temperatures=0.2 + 1.5 * torch.rand(rows, generator=gen),
+            generators=[None] * rows,
+            min_p=torch.where(pick[0] < 0.3, 0.3 * torch.rand(rows, generator=gen), torch.zeros(rows)),
+            top_k=torch.where(pick[1] < 0.4, torch.randint(1, vocab // 10, (rows,), generator=gen), 0),
+            top_p=torch.where(pick[2] < 0.6, 0.3 + 0.69 * torch.rand(rows, generator=gen), torch.ones(rows)),
+        )
+        probs = Sampler.probs(logits, batch)
+        no_greedy = torch.zeros(rows, dtype=torch.bool)
+        for _ in range(4):
+            u = torch.rand(rows, generator=gen, dtype=torch.float64)
+            u[0] = 0.0
+            want = inverse_cdf(probs, u)
+            got = native_draw(logits, batch, u, no_greedy)
+            assert torch.equal(got, want), f"trial {trial}: rows {(got != want).nonzero()[:, 0].tolist()} differ"
+        # At u's top end the two may part on tokens of ~1e-16 of the mass (float32 probabilities
+        # against float32 weights); the token drawn must still be one the filters kept.
+        got = native_draw(logits, batch, torch.full((rows,), 1 - 2**-53, dtype=torch.float64), no_greedy)
+        assert bool((probs[torch.arange(rows), got] > 0).all())
+    # Greedy rows in the batch are skipped (their argmax is taken elsewhere); the others match.
+    is_greedy = torch.arange(rows) % 3 == 0
+    got = native_draw(logits, batch, u, is_greedy)
+    assert bool((got[is_greedy] == 0).all()) and torch.equal(got[~is_greedy], want[~is_greedy])
+
+
+def test_native_draws_follow_the_torch_rule():
+    if not ops.native_available():
+        pytest.skip("no native kernels here (no C++ compiler)")
+    check_native_draws_follow_the_torch_rule()
