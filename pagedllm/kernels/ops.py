@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -256,3 +258,40 @@ def sample_rows(
         _ptr(top_p), _ptr(u), torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def _flatten_ids(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids of all lists in one int64 tensor, and the [len + 1] offsets of each list's run."""
+    lengths = [len(ids) for ids in lists]
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(lengths))
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return torch.from_numpy(flat), torch.from_numpy(offsets)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: list[int],
+    output_ids: list[list[int]],
+    prompt_ids: list[list[int]],
+    presence: list[float],
+    frequency: list[float],
+    repetition: list[float],
+) -> None:
+    """In place on ``logits[rows[i]]`` [.., vocab] fp32 (native, CPU): the repetition penalty on
+    the tokens of ``prompt_ids[i]`` and ``output_ids[i]``, then frequency and presence on those of
+    ``output_ids[i]``; bit for bit what ``sampler.apply_penalties`` computes in torch, touching
+    only the history's tokens. Callers check ``native_available()`` first."""
+    assert logits.stride(1) == 1 and logits.dtype == _F32 and logits.is_cpu
+    out, out_offsets = _flatten_ids(output_ids)
+    prompt, prompt_offsets = _flatten_ids(prompt_ids)
+    vocab = logits.shape[1]
+    for ids in (out, prompt):
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"penalty history holds token ids outside the vocabulary [0, {vocab})")
+    rows_t = torch.tensor(rows, dtype=torch.int64)
+    pres, freq, rep = (torch.tensor(v, dtype=_F32) for v in (presence, frequency, repetition))
+    load_kernels().apply_penalties_f32(
+        _ptr(logits), logits.stride(0), vocab, _ptr(rows_t), len(rows), _ptr(out), _ptr(out_offsets),
+        _ptr(prompt), _ptr(prompt_offsets), _ptr(pres), _ptr(freq), _ptr(rep), torch.get_num_threads(),
+    )  # fmt: skip

@@ -89,7 +89,16 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[in
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """In place, on the penalized rows: repetition (HF), then frequency and presence (OpenAI)."""
+    """In place, on the penalized rows: repetition (HF), then frequency and presence (OpenAI).
+
+    Natively where the kernels run (``ops.apply_penalties``: only the history's tokens are
+    touched, bit for bit what the torch code below computes over the whole vocabulary)."""
+    if ops.native_available() and logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        ops.apply_penalties(
+            logits, batch.penalty_rows, batch.output_ids, batch.prompt_ids, batch.presence, batch.frequency,
+            batch.repetition,
+        )  # fmt: skip
+        return
     rows = torch.tensor(batch.penalty_rows, device=logits.device)
     sub = logits[rows]
     vocab = logits.shape[1]

@@ -13,7 +13,10 @@ import torch
 from pagedllm.kernels import kv_ops, ops, reference
 from pagedllm.kernels.build import load_kernels
 from pagedllm.model.linear import PACKED_MAX_ROWS, Linear
-from tests.sampler.test_sampler import check_native_draws_follow_the_torch_rule
+from tests.sampler.test_sampler import (
+    check_native_draws_follow_the_torch_rule,
+    check_native_penalties_match_the_torch_code,
+)
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -245,6 +248,7 @@ def check_against_the_twins(lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
     check_half_writes(monkeypatch)
     check_native_draws_follow_the_torch_rule(vocab=5000)
+    check_native_penalties_match_the_torch_code(vocab=5000)
 
 
 def test_portable_build_matches_the_torch_twins(monkeypatch):

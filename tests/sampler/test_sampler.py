@@ -127,7 +127,7 @@ def run_single(logits: torch.Tensor, **kw) -> tuple[torch.Tensor, SamplingBatch]
     return logits, batch
 
 
-def test_penalties_change_logits_exactly_as_their_formulas_say():
+def test_penalties_change_logits_exactly_as_their_formulas_say(path):
     from pagedllm.sampler.sampler import apply_penalties
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0, 0.0, 4.0]])
@@ -273,3 +273,39 @@ def test_native_draws_follow_the_torch_rule():
     if not ops.native_available():
         pytest.skip("no native kernels here (no C++ compiler)")
     check_native_draws_follow_the_torch_rule()
+
+
+def check_native_penalties_match_the_torch_code(vocab: int = 49152) -> None:
+    """The native penalties (``ops.apply_penalties``: only the history's tokens touched) give the
+    bits of the torch code (over the whole vocabulary): repeated tokens, prompt tokens also in the
+    output, negative and < 1 penalties, -inf logits, rows without penalties left alone."""
+    from pagedllm.sampler.sampler import apply_penalties
+
+    gen = torch.Generator().manual_seed(1)
+    rows = 9
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    logits[:, :50] = float("-inf")
+    hist = lambda n, hi: torch.randint(0, hi, (n,), generator=gen).tolist()  # noqa: E731
+    batch = SamplingBatch(
+        temperatures=torch.ones(rows),
+        generators=[None] * rows,
+        penalty_rows=[0, 2, 3, 5, 8],
+        presence=[0.5, -0.3, 0.0, 1.5, 0.2],
+        frequency=[0.25, 0.0, -0.7, 0.3, 1.1],
+        repetition=[1.3, 0.8, 1.0, 1.0, 2.0],
+        output_ids=[hist(40, 200), hist(300, vocab), hist(7, 60), [], hist(129, vocab)],
+        prompt_ids=[hist(30, 200), hist(500, vocab), [], [], hist(64, 100)],
+    )
+    native = logits.clone()
+    apply_penalties(native, batch)
+    twin = logits.clone()
+    with ops.torch_only():
+        apply_penalties(twin, batch)
+    assert torch.equal(native, twin)
+    assert not torch.equal(native[0], logits[0]) and torch.equal(native[1], logits[1])
+
+
+def test_native_penalties_match_the_torch_code():
+    if not ops.native_available():
+        pytest.skip("no native kernels here (no C++ compiler)")
+    check_native_penalties_match_the_torch_code()

@@ -1,5 +1,6 @@
 // Drawing a token from each row of logits: temperature, min-p, top-k, top-p and the inverse-CDF
-// draw, in a few passes over the row and with no sort of the vocabulary.
+// draw, in a few passes over the row and with no sort of the vocabulary; and the penalties,
+// touching only the tokens a row's history holds.
 //
 // Why native: the torch path (pagedllm/sampler/sampler.py, Sampler.probs + inverse_cdf, the
 // reference the tests compare this with) runs ~10 full-vocabulary ops per row (softmax, a float64
@@ -23,6 +24,10 @@ extern "C" {
 void sample_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, int64_t rows, int64_t vocab,
                      const float* temperature, const float* min_p, const int64_t* top_k, const float* top_p,
                      const double* u, int nthreads);
+void apply_penalties_f32(float* logits, int64_t logits_stride, int64_t vocab, const int64_t* rows, int64_t num_rows,
+                         const int64_t* output_ids, const int64_t* output_offsets, const int64_t* prompt_ids,
+                         const int64_t* prompt_offsets, const float* presence, const float* frequency,
+                         const float* repetition, int nthreads);
 }
 // C-API-END
 
@@ -181,6 +186,55 @@ void sample_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, i
                 cut_below(w.data(), vocab, kth_largest(w.data(), vocab, top_k[r], counts, pool));
             if (top_p[r] < 1.f) cut_below(w.data(), vocab, nucleus_floor(w.data(), vocab, top_p[r], mass, pool));
             out[r] = draw(w.data(), vocab, u[r]);
+        }
+    }
+}
+
+// In place, on logits[rows[i]]: the repetition penalty (HF: x / r if x > 0 else x * r) on every
+// token of the row's prompt or output, then frequency and presence (OpenAI: x - f * count - p)
+// on every token of its output. The same float operations in the same order as the torch twin
+// (sampler.apply_penalties, which computes them over the whole vocabulary, where an unseen
+// token's result is its own value), so the results are bit for bit the same; but only the
+// tokens of the history are touched. Row i's ids are [offsets[i], offsets[i + 1]).
+void apply_penalties_f32(float* logits, int64_t logits_stride, int64_t vocab, const int64_t* rows, int64_t num_rows,
+                         const int64_t* output_ids, const int64_t* output_offsets, const int64_t* prompt_ids,
+                         const int64_t* prompt_offsets, const float* presence, const float* frequency,
+                         const float* repetition, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (num_rows >= 4)
+    {
+        // Per token: its count in the output; -1 = seen in the prompt only.
+        thread_local std::vector<int32_t> counts;
+        if (int64_t(counts.size()) < vocab) counts.assign(vocab, 0);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_rows; i++) {
+            float* x = logits + rows[i] * logits_stride;
+            const int64_t* out = output_ids + output_offsets[i];
+            const int64_t* prompt = prompt_ids + prompt_offsets[i];
+            const int64_t n_out = output_offsets[i + 1] - output_offsets[i];
+            const int64_t n_prompt = prompt_offsets[i + 1] - prompt_offsets[i];
+            for (int64_t j = 0; j < n_out; j++) {
+                PAGEDLLM_CHECK(out[j] >= 0 && out[j] < vocab, "output token %lld outside the vocabulary",
+                               (long long)out[j]);
+                counts[out[j]] = std::max(counts[out[j]], 0) + 1;
+            }
+            for (int64_t j = 0; j < n_prompt; j++) {
+                PAGEDLLM_CHECK(prompt[j] >= 0 && prompt[j] < vocab, "prompt token %lld outside the vocabulary",
+                               (long long)prompt[j]);
+                if (counts[prompt[j]] == 0) counts[prompt[j]] = -1;
+            }
+            const float rep = repetition[i], freq = frequency[i], pres = presence[i];
+            // Each seen token once: its count is reset (to 0) as it is done.
+            auto penalize = [&](int64_t t) {
+                const int32_t c = counts[t];
+                if (c == 0) return;
+                float v = x[t];
+                if (rep != 1.f) v = v > 0.f ? v / rep : v * rep;
+                if (c > 0) v = (v - freq * float(c)) - pres * 1.f;
+                x[t] = v;
+                counts[t] = 0;
+            };
+            for (int64_t j = 0; j < n_out; j++) penalize(out[j]);
+            for (int64_t j = 0; j < n_prompt; j++) penalize(prompt[j]);
         }
     }
 }
