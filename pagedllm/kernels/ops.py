@@ -295,3 +295,14 @@ def apply_penalties(
         _ptr(logits), logits.stride(0), vocab, _ptr(rows_t), len(rows), _ptr(out), _ptr(out_offsets),
         _ptr(prompt), _ptr(prompt_offsets), _ptr(pres), _ptr(freq), _ptr(rep), torch.get_num_threads(),
     )  # fmt: skip
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor (the first maximum of each row; a NaN counts as the
+    maximum), natively for fp32 CPU rows: torch's CPU argmax does not vectorise (42 us for one
+    49,152-wide row here, against ~4 us for the max alone)."""
+    if not (_native(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    load_kernels().argmax_rows_f32(_ptr(out), _ptr(x), x.stride(0), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out

@@ -199,7 +199,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] fp32 -> one token (and optional logprobs) per row."""
         raw_logprobs, masked = self.prepare(logits, batch)
-        tokens = masked.argmax(dim=-1)
+        tokens = ops.argmax(masked)
         if not batch.all_greedy:
             is_greedy = batch.temperatures.to(logits.device) == 0
             u = self._uniforms(batch.generators, logits.device)

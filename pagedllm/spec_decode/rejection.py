@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.kernels import ops
 from pagedllm.outputs import RowLogprobs
 from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs, inverse_cdf
 
@@ -30,7 +31,7 @@ def verify_drafts(
     without drafts has one row, sampled as usual); ``batch`` has one entry per row.
     """
     raw_logprobs, masked = sampler.prepare(logits, batch)
-    greedy_tokens = masked.argmax(dim=-1).tolist()
+    greedy_tokens = ops.argmax(masked).tolist()
     temps = batch.temperatures.tolist()
     probs = sampler.probs(masked, batch) if not batch.all_greedy else None
     tokens: list[list[int]] = []

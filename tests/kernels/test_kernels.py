@@ -14,6 +14,7 @@ from pagedllm.kernels import kv_ops, ops, reference
 from pagedllm.kernels.build import load_kernels
 from pagedllm.model.linear import PACKED_MAX_ROWS, Linear
 from tests.sampler.test_sampler import (
+    check_native_argmax,
     check_native_draws_follow_the_torch_rule,
     check_native_penalties_match_the_torch_code,
 )
@@ -249,6 +250,7 @@ def check_against_the_twins(lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -
     check_half_writes(monkeypatch)
     check_native_draws_follow_the_torch_rule(vocab=5000)
     check_native_penalties_match_the_torch_code(vocab=5000)
+    check_native_argmax()
 
 
 def test_portable_build_matches_the_torch_twins(monkeypatch):

@@ -309,3 +309,25 @@ def test_native_penalties_match_the_torch_code():
     if not ops.native_available():
         pytest.skip("no native kernels here (no C++ compiler)")
     check_native_penalties_match_the_torch_code()
+
+
+def test_native_argmax_is_torch_argmax():
+    """First maximum on ties, NaN counted as the maximum (before or after the max), all -inf,
+    rows narrower than a vector, strided rows."""
+    if not ops.native_available():
+        pytest.skip("no native kernels here (no C++ compiler)")
+    check_native_argmax()
+
+
+def check_native_argmax() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(12, 1000, generator=gen)
+    x[1, [17, 400, 999]] = 50.0  # ties: the first
+    x[2, 3] = float("nan")
+    x[3, 600] = float("nan")
+    x[3, 10] = 99.0  # a NaN after the maximum still wins
+    x[4] = float("-inf")
+    x[5, 999] = 1e9  # the maximum in the scalar tail
+    x[6, 900:] = float("inf")
+    for t in (x, x[:, :5], x[:, 1:], x[::2], torch.randn(3, 49152, generator=gen)):
+        assert torch.equal(ops.argmax(t), t.argmax(dim=-1)), t.shape
