@@ -181,3 +181,26 @@ inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
+
+// max(m, x[0..n)): four vector chains (a max waits 4 cycles for the one before), then the tail.
+inline float range_max(const float* x, int64_t n, float m) {
+    int64_t j = 0;
+#ifdef PAGEDLLM_AVX2
+    if (n >= 8) {
+        __m256 v0 = _mm256_set1_ps(m), v1 = v0, v2 = v0, v3 = v0;
+        for (; j + 32 <= n; j += 32) {
+            v0 = _mm256_max_ps(v0, _mm256_loadu_ps(x + j));
+            v1 = _mm256_max_ps(v1, _mm256_loadu_ps(x + j + 8));
+            v2 = _mm256_max_ps(v2, _mm256_loadu_ps(x + j + 16));
+            v3 = _mm256_max_ps(v3, _mm256_loadu_ps(x + j + 24));
+        }
+        v0 = _mm256_max_ps(_mm256_max_ps(v0, v1), _mm256_max_ps(v2, v3));
+        for (; j + 8 <= n; j += 8) v0 = _mm256_max_ps(v0, _mm256_loadu_ps(x + j));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, v0);
+        for (float l : lanes) m = std::max(m, l);
+    }
+#endif
+    for (; j < n; j++) m = std::max(m, x[j]);
+    return m;
+}

@@ -253,22 +253,6 @@ inline void tile_weighted_sum_generic(float* acc, const float* p, const float* t
     }
 }
 
-// max(m, x[0..n)).
-inline float range_max(const float* x, int64_t n, float m) {
-    int64_t j = 0;
-#ifdef PAGEDLLM_AVX2
-    if (n >= 8) {
-        __m256 v = _mm256_loadu_ps(x);
-        for (j = 8; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + j));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, v);
-        for (float l : lanes) m = std::max(m, l);
-    }
-#endif
-    for (; j < n; j++) m = std::max(m, x[j]);
-    return m;
-}
-
 // exp(x - m) in place over [0, n); returns the sum.
 inline float softmax_exp(float* x, int64_t n, float m) {
     int64_t j = 0;

@@ -44,26 +44,7 @@ inline uint32_t float_bits(float x) {
     return b;
 }
 
-inline float row_max(const float* x, int64_t n) {
-    float m = -std::numeric_limits<float>::infinity();
-    int64_t j = 0;
-#ifdef PAGEDLLM_AVX2
-    __m256 vm = _mm256_set1_ps(m), v1 = vm, v2 = vm, v3 = vm;  // four chains: max has a 4-cycle latency
-    for (; j + 32 <= n; j += 32) {
-        vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
-        v1 = _mm256_max_ps(v1, _mm256_loadu_ps(x + j + 8));
-        v2 = _mm256_max_ps(v2, _mm256_loadu_ps(x + j + 16));
-        v3 = _mm256_max_ps(v3, _mm256_loadu_ps(x + j + 24));
-    }
-    vm = _mm256_max_ps(_mm256_max_ps(vm, v1), _mm256_max_ps(v2, v3));
-    for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vm);
-    for (float l : lanes) m = std::max(m, l);
-#endif
-    for (; j < n; j++) m = std::max(m, x[j]);
-    return m;
-}
+inline float row_max(const float* x, int64_t n) { return range_max(x, n, -std::numeric_limits<float>::infinity()); }
 
 // w[j] = exp((x[j] - m) * inv_t), 0 where that is below EXP_FLOOR (masked tokens included).
 inline void weights(float* w, const float* x, int64_t n, float m, float inv_t) {
