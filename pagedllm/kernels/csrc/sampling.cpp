@@ -1,6 +1,6 @@
 // Drawing a token from each row of logits: temperature, min-p, top-k, top-p and the inverse-CDF
-// draw, in a few passes over the row and with no sort of the vocabulary; and the penalties,
-// touching only the tokens a row's history holds.
+// draw, in a few passes over the row and with no sort of the vocabulary; the penalties, touching
+// only the tokens a row's history holds; and the argmax of greedy rows.
 //
 // Why native: the torch path (pagedllm/sampler/sampler.py, Sampler.probs + inverse_cdf, the
 // reference the tests compare this with) runs ~10 full-vocabulary ops per row (softmax, a float64
