@@ -203,7 +203,7 @@ class Sampler:
         if not batch.all_greedy:
             is_greedy = batch.temperatures.to(logits.device) == 0
             u = self._uniforms(batch.generators, logits.device)
-            if ops.native_available() and masked.is_cpu and masked.dtype == torch.float32:
+            if ops.native_available() and masked.is_cpu and masked.dtype == torch.float32 and masked.stride(1) == 1:
                 sampled = native_draw(masked, batch, u, is_greedy)
             else:
                 sampled = inverse_cdf(self.probs(masked, batch), u)

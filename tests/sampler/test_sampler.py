@@ -263,6 +263,9 @@ def check_native_draws_follow_the_torch_rule(vocab: int = 49152) -> None:
         # against float32 weights); the token drawn must still be one the filters kept.
         got = native_draw(logits, batch, torch.full((rows,), 1 - 2**-53, dtype=torch.float64), no_greedy)
         assert bool((probs[torch.arange(rows), got] > 0).all())
+    # A view whose rows are not contiguous takes the torch rule: the same tokens for the same seed.
+    strided = logits.t().contiguous().t()
+    assert Sampler(3)(strided, batch).token_ids == Sampler(3)(logits, batch).token_ids
     # Greedy rows in the batch are skipped (their argmax is taken elsewhere); the others match.
     is_greedy = torch.arange(rows) % 3 == 0
     got = native_draw(logits, batch, u, is_greedy)
