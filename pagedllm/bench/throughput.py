@@ -38,6 +38,30 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the peers' dtype (default: pagedllm's), e.g. a peer's best dtype on a CPU with native bf16")
     p.add_argument("--peer-env", action="append", default=[], metavar="[ENGINE:]KEY=VALUE",
                    help="set in a peer's process only, every peer's or one's (e.g. vllm:LD_PRELOAD=libtcmalloc_minimal.so.4)")
+    # Sampled runs (pagedllm only: the peers are driven greedy); request i is seeded with i.
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="every request's top_k; 0 = off (default)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="every request's presence penalty")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's frequency penalty")
+
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict:
+    """The sampling flags that differ from greedy decoding's defaults (empty for a greedy run)."""
+    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) != defaults[k]}
+
+
+def request_params(sampling: dict, max_tokens: int, i: int):
+    """Request i's SamplingParams: greedy, or the run's sampling flags with seed i (so a sampled
+    run draws the same tokens on every run of the same build)."""
+    from pagedllm import SamplingParams
+
+    seed = {"seed": i} if sampling.get("temperature", 0) > 0 else {}
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **sampling, **seed})
 
 
 def peer_setting(engine: str, values: list[str], sep: str = "=") -> list[str]:
@@ -64,17 +88,18 @@ def _rates(w: Workload, elapsed: float) -> dict:
     }
 
 
-def run_pagedllm(w: Workload, engine_kwargs: dict) -> dict:
+def run_pagedllm(w: Workload, engine_kwargs: dict, sampling: dict | None = None) -> dict:
+    sampling = sampling or {}
     if engine_kwargs.get("data_parallel_size", 1) > 1:
-        return run_pagedllm_dp(w, engine_kwargs)
-    from pagedllm import LLM, SamplingParams
+        return run_pagedllm_dp(w, engine_kwargs, sampling)
+    from pagedllm import LLM
 
     prompts = [{"prompt_token_ids": p} for p in w.prompts()]
     llm = LLM(**engine_kwargs)
-    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts[:4], [request_params(sampling, 4, i) for i in range(4)], use_tqdm=False)
     before = llm.llm_engine.executor.collective_stats()
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True))
+    outs = llm.generate(prompts, [request_params(sampling, w.output_len, i) for i in range(len(prompts))])
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == w.output_len for o in outs), "every request must give output_len tokens"
     parallel = parallel_stats(llm.llm_engine, before)
@@ -101,13 +126,12 @@ def parallel_line(parallel: dict | None) -> str:
             f"{parallel['collective_ms_per_step']:.2f} ms per step (slowest rank, {parallel['steps']} steps)")
 
 
-def run_pagedllm_dp(w: Workload, engine_kwargs: dict) -> dict:
+def run_pagedllm_dp(w: Workload, engine_kwargs: dict, sampling: dict) -> dict:
     """``--data-parallel-size N``: the same prompts through N replica processes (DPAsyncLLM, the
     server's engine), all queued at once as one generate call would; each replica has its share
     of the cores (PAGEDLLM_NUM_THREADS per replica overrides)."""
     import asyncio
 
-    from pagedllm import SamplingParams
     from pagedllm.config import EngineConfig
     from pagedllm.data_parallel.client import DPAsyncLLM
 
@@ -115,12 +139,10 @@ def run_pagedllm_dp(w: Workload, engine_kwargs: dict) -> dict:
     llm = DPAsyncLLM(EngineConfig(**engine_kwargs), log_stats_interval=1e9)
 
     async def generate(batch: list, max_tokens: int) -> list[int]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-        async def one(prompt: dict) -> int:
+        async def one(prompt: dict, params) -> int:
             return sum([len(out.outputs[0].token_ids) async for out in llm.generate(prompt, params)])
 
-        return list(await asyncio.gather(*(one(p) for p in batch)))
+        return list(await asyncio.gather(*(one(p, request_params(sampling, max_tokens, i)) for i, p in enumerate(batch))))
 
     try:
         asyncio.run(generate(prompts[:4], 4))
@@ -169,15 +191,21 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
 
     w = workload_from_args(args)
     dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"))
-    ours = run_pagedllm(w, engine_kwargs)
+    sampling = sampling_from_args(args)
+    if sampling and args.compare:
+        raise ValueError("--compare runs greedy only (the peers are not given --temperature, --top-p, ...)")
+    ours = run_pagedllm(w, engine_kwargs, sampling)
     result = {"workload": w.name, "model": engine_kwargs.get("model") or DEFAULT_MODEL_NAME,
               "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
               "dtype": str(dtype).removeprefix("torch."), "activation_dtype": engine_kwargs.get("activation_dtype", "float32"),
               "kv_cache_dtype": engine_kwargs.get("kv_cache_dtype", "auto"),
-              "data_parallel_size": engine_kwargs.get("data_parallel_size", 1), "pagedllm": ours}  # fmt: skip
+              "data_parallel_size": engine_kwargs.get("data_parallel_size", 1), "sampling": sampling,
+              "pagedllm": ours}  # fmt: skip
     dp = f" DP={result['data_parallel_size']}" if result["data_parallel_size"] > 1 else ""
+    sampled = "".join(f", {k} {v}" for k, v in sampling.items())
     line = (
-        f"pagedllm{dp} ({w.name}, {result['dtype']}, {result['activation_dtype']} activations): {ours['requests_per_s']:.2f} requests/s, "
+        f"pagedllm{dp} ({w.name}, {result['dtype']}, {result['activation_dtype']} activations{sampled}): "
+        f"{ours['requests_per_s']:.2f} requests/s, "
         f"{ours['total_tokens_per_s']:.1f} total tokens/s, {ours['output_tokens_per_s']:.1f} output tokens/s "
         f"({ours['elapsed_s']:.1f} s)"
     ) + parallel_line(ours.get("parallel"))

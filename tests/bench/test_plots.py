@@ -26,7 +26,7 @@ def _write_throughput(monkeypatch, path: Path, num_prompts: int, compare: bool) 
     monkeypatch.setattr(
         throughput,
         "run_pagedllm",
-        lambda w, kw: {
+        lambda w, kw, sampling=None: {
             "engine": "pagedllm",
             "num_preemptions": 0,
             **throughput._rates(w, elapsed=0.01 * w.num_prompts + 1),

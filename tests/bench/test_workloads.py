@@ -35,3 +35,33 @@ def test_peer_settings_apply_to_every_peer_or_to_the_one_named():
     env = ["OMP_NUM_THREADS=2", "vllm:LD_PRELOAD=libtcmalloc_minimal.so.4", "transformers:X=1"]
     assert peer_setting("vllm", env, sep=":") == ["OMP_NUM_THREADS=2", "LD_PRELOAD=libtcmalloc_minimal.so.4"]
     assert peer_setting("transformers", env, sep=":") == ["OMP_NUM_THREADS=2", "X=1"]
+
+
+def _throughput_args(argv: list[str]) -> argparse.Namespace:
+    from pagedllm.bench import throughput
+
+    p = argparse.ArgumentParser()
+    throughput.add_args(p)
+    return p.parse_args(argv)
+
+
+def test_sampled_throughput_runs_seed_each_request_and_compare_with_no_peer(monkeypatch):
+    import pytest
+
+    from pagedllm.bench import throughput
+
+    assert throughput.sampling_from_args(_throughput_args([])) == {}  # greedy by default
+    greedy = throughput.request_params({}, 8, 3)
+    assert (greedy.temperature, greedy.seed, greedy.max_tokens, greedy.ignore_eos) == (0.0, None, 8, True)
+    args = _throughput_args(["--num-prompts", "2", "--temperature", "0.8", "--top-p", "0.95", "--presence-penalty", "0.5"])
+    sampling = throughput.sampling_from_args(args)
+    assert sampling == {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.5}
+    p = throughput.request_params(sampling, 16, 5)
+    assert (p.temperature, p.top_p, p.presence_penalty, p.seed, p.max_tokens) == (0.8, 0.95, 0.5, 5, 16)
+    seen = {}
+    monkeypatch.setattr(throughput, "run_pagedllm", lambda w, kw, sampling=None: seen.update(sampling=sampling)
+                        or {"engine": "pagedllm", **throughput._rates(w, elapsed=1.0)})  # fmt: skip
+    result = throughput.run(args, {"dtype": "float32"})
+    assert seen["sampling"] == sampling and result["sampling"] == sampling
+    with pytest.raises(ValueError, match="greedy only"):
+        throughput.run(_throughput_args(["--temperature", "0.8", "--compare", "transformers"]), {"dtype": "float32"})
