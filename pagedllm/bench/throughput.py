@@ -26,6 +26,10 @@ from pagedllm.bench.common import add_workload_args, report, workload_from_args
 from pagedllm.bench.workloads import Workload
 
 
+# The sampling flags and their values in a greedy run.
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("--compare", choices=["transformers", "vllm"], action="append", default=[],
@@ -39,20 +43,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-env", action="append", default=[], metavar="[ENGINE:]KEY=VALUE",
                    help="set in a peer's process only, every peer's or one's (e.g. vllm:LD_PRELOAD=libtcmalloc_minimal.so.4)")
     # Sampled runs (pagedllm only: the peers are driven greedy); request i is seeded with i.
-    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="every request's top_k; 0 = off (default)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="every request's presence penalty")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's frequency penalty")
-
-
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
+    p.add_argument("--temperature", type=float, default=GREEDY["temperature"],
+                   help="every request's temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=GREEDY["top_p"], help="every request's top_p (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=GREEDY["top_k"], help="every request's top_k; 0 = off (default)")
+    p.add_argument("--presence-penalty", type=float, default=GREEDY["presence_penalty"],
+                   help="every request's presence penalty")
+    p.add_argument("--frequency-penalty", type=float, default=GREEDY["frequency_penalty"],
+                   help="every request's frequency penalty")
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
-    """The sampling flags that differ from greedy decoding's defaults (empty for a greedy run)."""
-    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) != defaults[k]}
+    """The sampling flags that differ from greedy decoding's values (empty for a greedy run)."""
+    return {k: getattr(args, k) for k, greedy in GREEDY.items() if getattr(args, k) != greedy}
 
 
 def request_params(sampling: dict, max_tokens: int, i: int):

@@ -55,6 +55,12 @@ def _native(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def native_rows(x: torch.Tensor) -> bool:
+    """Whether the row kernels (sampling, penalties, argmax) can take ``x``: fp32 CPU rows of
+    unit stride, with the kernels built."""
+    return _native(x) and x.dim() == 2 and x.stride(1) == 1
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -301,7 +307,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D tensor (the first maximum of each row; a NaN counts as the
     maximum), natively for fp32 CPU rows: torch's CPU argmax does not vectorise (42 us for one
     49,152-wide row here, against ~4 us for the max alone)."""
-    if not (_native(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0):
+    if not (native_rows(x) and x.shape[1] > 0):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     load_kernels().argmax_rows_f32(_ptr(out), _ptr(x), x.stride(0), x.shape[0], x.shape[1], torch.get_num_threads())

@@ -93,7 +93,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
     Natively where the kernels run (``ops.apply_penalties``: only the history's tokens are
     touched, bit for bit what the torch code below computes over the whole vocabulary)."""
-    if ops.native_available() and logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1:
+    if ops.native_rows(logits):
         ops.apply_penalties(
             logits, batch.penalty_rows, batch.output_ids, batch.prompt_ids, batch.presence, batch.frequency,
             batch.repetition,
@@ -203,7 +203,7 @@ class Sampler:
         if not batch.all_greedy:
             is_greedy = batch.temperatures.to(logits.device) == 0
             u = self._uniforms(batch.generators, logits.device)
-            if ops.native_available() and masked.is_cpu and masked.dtype == torch.float32 and masked.stride(1) == 1:
+            if ops.native_rows(masked):
                 sampled = native_draw(masked, batch, u, is_greedy)
             else:
                 sampled = inverse_cdf(self.probs(masked, batch), u)

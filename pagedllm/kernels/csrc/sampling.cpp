@@ -69,6 +69,13 @@ inline void cut_below(float* w, int64_t n, float floor) {
     for (int64_t j = 0; j < n; j++) w[j] = w[j] < floor ? 0.f : w[j];
 }
 
+// pool = the weights of w in bucket b.
+void bucket_members(const float* w, int64_t n, int b, std::vector<float>& pool) {
+    pool.clear();
+    for (int64_t j = 0; j < n; j++)
+        if (int(float_bits(w[j]) >> BUCKET_SHIFT) == b) pool.push_back(w[j]);
+}
+
 // The k-th largest of w (1 <= k <= n): count per bucket, then select inside the bucket reached.
 float kth_largest(const float* w, int64_t n, int64_t k, std::vector<int64_t>& counts, std::vector<float>& pool) {
     std::fill(counts.begin(), counts.end(), 0);
@@ -76,9 +83,7 @@ float kth_largest(const float* w, int64_t n, int64_t k, std::vector<int64_t>& co
     int64_t above = 0;
     int b = NUM_BUCKETS - 1;
     for (; b > 0 && above + counts[b] < k; b--) above += counts[b];
-    pool.clear();
-    for (int64_t j = 0; j < n; j++)
-        if (int(float_bits(w[j]) >> BUCKET_SHIFT) == b) pool.push_back(w[j]);
+    bucket_members(w, n, b, pool);
     const int64_t nth = k - above - 1;  // 0-based, descending, inside the bucket
     std::nth_element(pool.begin(), pool.begin() + nth, pool.end(), std::greater<float>());
     return pool[nth];
@@ -98,9 +103,7 @@ float nucleus_floor(const float* w, int64_t n, double top_p, std::vector<double>
     int b = NUM_BUCKETS - 1;
     for (; b >= 0 && acc + mass[b] < target; b--) acc += mass[b];
     if (b < 0) return 0.f;
-    pool.clear();
-    for (int64_t j = 0; j < n; j++)
-        if (int(float_bits(w[j]) >> BUCKET_SHIFT) == b) pool.push_back(w[j]);
+    bucket_members(w, n, b, pool);
     std::sort(pool.begin(), pool.end(), std::greater<float>());
     for (float x : pool) {
         acc += x;
