@@ -252,9 +252,9 @@ def sample_rows(
     min-p, top-k and top-p over the temperature-scaled distribution, then the first token whose
     cumulative probability exceeds ``u`` [rows] (float64 in [0, 1)). min_p 0, top_k 0 and top_p 1
     are "off". The rule it follows, in torch, is ``Sampler.probs`` then ``inverse_cdf``
-    (pagedllm/sampler/sampler.py); callers check ``native_available()`` first."""
+    (pagedllm/sampler/sampler.py); callers check ``native_rows(logits)`` first."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and logits.dtype == _F32 and logits.is_cpu
+    assert native_rows(logits)
     out = torch.empty(rows, dtype=torch.int64)
     temperature = temperature.to(_F32).contiguous()
     min_p, top_p = min_p.to(_F32).contiguous(), top_p.to(_F32).contiguous()
@@ -287,8 +287,8 @@ def apply_penalties(
     """In place on ``logits[rows[i]]`` [.., vocab] fp32 (native, CPU): the repetition penalty on
     the tokens of ``prompt_ids[i]`` and ``output_ids[i]``, then frequency and presence on those of
     ``output_ids[i]``; bit for bit what ``sampler.apply_penalties`` computes in torch, touching
-    only the history's tokens. Callers check ``native_available()`` first."""
-    assert logits.stride(1) == 1 and logits.dtype == _F32 and logits.is_cpu
+    only the history's tokens. Callers check ``native_rows(logits)`` first."""
+    assert native_rows(logits)
     out, out_offsets = _flatten_ids(output_ids)
     prompt, prompt_offsets = _flatten_ids(prompt_ids)
     vocab = logits.shape[1]
