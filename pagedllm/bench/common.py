@@ -25,6 +25,36 @@ def add_workload_args(p: argparse.ArgumentParser, default: str | None = None) ->
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
 
 
+# The sampling flags and their values in a greedy run.
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampled runs: the same parameters for every request, request i seeded with i."""
+    p.add_argument("--temperature", type=float, default=GREEDY["temperature"],
+                   help="every request's temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=GREEDY["top_p"], help="every request's top_p (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=GREEDY["top_k"], help="every request's top_k; 0 = off (default)")
+    p.add_argument("--presence-penalty", type=float, default=GREEDY["presence_penalty"],
+                   help="every request's presence penalty")
+    p.add_argument("--frequency-penalty", type=float, default=GREEDY["frequency_penalty"],
+                   help="every request's frequency penalty")
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict:
+    """The sampling flags that differ from greedy decoding's values (empty for a greedy run)."""
+    return {k: getattr(args, k) for k, greedy in GREEDY.items() if getattr(args, k) != greedy}
+
+
+def request_params(sampling: dict, max_tokens: int, i: int, ignore_eos: bool = True):
+    """Request i's SamplingParams: greedy, or the run's sampling flags with seed i (so a sampled
+    run draws the same tokens on every run of the same build)."""
+    from pagedllm import SamplingParams
+
+    seed = {"seed": i} if sampling.get("temperature", 0) > 0 else {}
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **{"temperature": 0.0, **sampling, **seed})
+
+
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The chosen standard workload, with any of --input-len/--output-len/--num-prompts applied."""
     base = WORKLOADS[args.workload] if args.workload else Workload("custom", args.prompt_seed, 64, 256, 128)

@@ -3,7 +3,8 @@
 Each iteration streams one request (or, with ``--text-prompts``, each text prompt in turn)
 through the engine and records the time to the first token and the time between later tokens;
 prints mean / median / p99 over the iterations. With ``--speculative-config``, the same run
-first measures the plain engine and reports the speed-up and the drafts' acceptance.
+first measures the plain engine and reports the speed-up and the drafts' acceptance. Greedy
+unless ``--temperature`` (and ``--top-p``, ...) is given: request i is then seeded with i.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import argparse
 import statistics
 import time
 
-from pagedllm.bench.common import add_workload_args, report, workload_from_args
+from pagedllm.bench.common import (
+    add_sampling_args,
+    add_workload_args,
+    report,
+    request_params,
+    sampling_from_args,
+    workload_from_args,
+)
 from pagedllm.bench.throughput import parallel_line, parallel_stats
 from pagedllm.bench.workloads import TEXT_PROMPTS
 
@@ -24,6 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="instead of the workload's token ids: these chat prompts, answers ending at EOS (at most --output-len)")
     p.add_argument("--no-compare-plain", dest="compare_plain", action="store_false",
                    help="with --speculative-config: do not also measure the plain engine first")
+    add_sampling_args(p)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -31,15 +40,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def _one(engine, prompt: list[int], n: int, request_id: str, ignore_eos: bool = True) -> tuple[float, list[float], float]:
+def _one(engine, prompt: list[int], params, request_id: str) -> tuple[float, list[float], float]:
     """TTFT, the gaps between output tokens, and the process CPU seconds spent after the first
     token (the decode's cost, which other jobs on the machine inflate far less than wall time)."""
-    from pagedllm import SamplingParams
     from pagedllm.engine.output_processor import RequestOutputKind
 
     start = time.perf_counter()
-    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos),
-                       request_id, RequestOutputKind.DELTA)  # fmt: skip
+    engine.add_request({"prompt_token_ids": prompt}, params, request_id, RequestOutputKind.DELTA)
     stamps: list[float] = []
     cpu_first = None
     while engine.has_unfinished_requests():
@@ -64,13 +71,15 @@ def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
                                            return_dict=False) for t in TEXT_PROMPTS[args.text_prompts]]  # fmt: skip
     else:
         prompts = w.prompts()[:1]
-    _one(llm.llm_engine, prompts[0], 8, "warmup")
+    sampling = sampling_from_args(args)
+    _one(llm.llm_engine, prompts[0], request_params(sampling, 8, 0), "warmup")
     before = llm.llm_engine.executor.collective_stats()
     ttfts, per_token, num_tokens, decode_cpu, decode_tokens, decode_wall = [], [], 0, 0.0, 0, 0.0
     for i in range(args.num_iters):
         for j, prompt in enumerate(prompts):
             llm.reset_prefix_cache()  # every iteration prefills the whole prompt, as a new one would
-            ttft, gaps, cpu = _one(llm.llm_engine, prompt, w.output_len, f"it{i}.{j}", ignore_eos=not args.text_prompts)
+            params = request_params(sampling, w.output_len, i * len(prompts) + j, ignore_eos=not args.text_prompts)
+            ttft, gaps, cpu = _one(llm.llm_engine, prompt, params, f"it{i}.{j}")
             ttfts.append(ttft)
             if gaps:
                 per_token.append(statistics.mean(gaps))
@@ -123,7 +132,9 @@ def _line(name: str, r: dict, iters: int) -> str:
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     name = args.text_prompts or workload_from_args(args).name
     spec = engine_kwargs.get("speculative_config")
-    result = {"workload": name, "speculative_config": spec}
+    sampling = sampling_from_args(args)
+    result = {"workload": name, "speculative_config": spec, "sampling": sampling}
+    name += "".join(f", {k} {v}" for k, v in sampling.items())
     lines = []
     if spec and args.compare_plain:
         plain = _measure(args, {**engine_kwargs, "speculative_config": None})

@@ -22,12 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-from pagedllm.bench.common import add_workload_args, report, workload_from_args
+from pagedllm.bench.common import (
+    add_sampling_args,
+    add_workload_args,
+    report,
+    request_params,
+    sampling_from_args,
+    workload_from_args,
+)
 from pagedllm.bench.workloads import Workload
-
-
-# The sampling flags and their values in a greedy run.
-GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -42,29 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the peers' dtype (default: pagedllm's), e.g. a peer's best dtype on a CPU with native bf16")
     p.add_argument("--peer-env", action="append", default=[], metavar="[ENGINE:]KEY=VALUE",
                    help="set in a peer's process only, every peer's or one's (e.g. vllm:LD_PRELOAD=libtcmalloc_minimal.so.4)")
-    # Sampled runs (pagedllm only: the peers are driven greedy); request i is seeded with i.
-    p.add_argument("--temperature", type=float, default=GREEDY["temperature"],
-                   help="every request's temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=GREEDY["top_p"], help="every request's top_p (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=GREEDY["top_k"], help="every request's top_k; 0 = off (default)")
-    p.add_argument("--presence-penalty", type=float, default=GREEDY["presence_penalty"],
-                   help="every request's presence penalty")
-    p.add_argument("--frequency-penalty", type=float, default=GREEDY["frequency_penalty"],
-                   help="every request's frequency penalty")
-
-
-def sampling_from_args(args: argparse.Namespace) -> dict:
-    """The sampling flags that differ from greedy decoding's values (empty for a greedy run)."""
-    return {k: getattr(args, k) for k, greedy in GREEDY.items() if getattr(args, k) != greedy}
-
-
-def request_params(sampling: dict, max_tokens: int, i: int):
-    """Request i's SamplingParams: greedy, or the run's sampling flags with seed i (so a sampled
-    run draws the same tokens on every run of the same build)."""
-    from pagedllm import SamplingParams
-
-    seed = {"seed": i} if sampling.get("temperature", 0) > 0 else {}
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **sampling, **seed})
+    add_sampling_args(p)  # sampled runs: pagedllm only, the peers are driven greedy
 
 
 def peer_setting(engine: str, values: list[str], sep: str = "=") -> list[str]:

@@ -266,6 +266,42 @@ def sample_rows(
     return out
 
 
+def verify_rows(
+    logits: torch.Tensor,
+    first_row: torch.Tensor,
+    num_rows: torch.Tensor,
+    draft: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """Speculative verification of sampled requests (native, CPU). Request i owns the rows
+    ``first_row[i]`` .. ``+ num_rows[i] - 1`` of ``logits``; ``draft[r]`` is the token drafted at
+    row r (every row but a request's last); the filters' per-row parameters and ``u`` [rows]
+    (float64) are as in ``sample_rows``. Returns, per row, the token emitted there or -1 past
+    the request's last token: drafts are accepted while ``u[r] < p_r(draft[r])``, then one draw
+    with the request's last uniform from the first rejecting row without its draft, or from the
+    last row. The torch rule is ``spec_decode.rejection``'s; callers check ``native_rows``."""
+    rows, vocab = logits.shape
+    assert native_rows(logits)
+    out = torch.empty(rows, dtype=torch.int64)
+    first_row, num_rows = first_row.to(torch.int64).contiguous(), num_rows.to(torch.int64).contiguous()
+    assert len(first_row) == len(num_rows) and bool((first_row + num_rows <= rows).all())
+    if len(draft) and (int(draft.min()) < -1 or int(draft.max()) >= vocab):
+        raise ValueError(f"draft tokens outside the vocabulary [0, {vocab})")
+    draft, u = draft.to(torch.int64).contiguous(), u.to(torch.float64).contiguous()
+    temperature = temperature.to(_F32).contiguous()
+    min_p, top_p = min_p.to(_F32).contiguous(), top_p.to(_F32).contiguous()
+    top_k = top_k.to(torch.int64).contiguous()
+    load_kernels().verify_rows_f32(
+        _ptr(out), _ptr(logits), logits.stride(0), vocab, _ptr(first_row), _ptr(num_rows), len(first_row),
+        _ptr(draft), _ptr(temperature), _ptr(min_p), _ptr(top_k), _ptr(top_p), _ptr(u), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def _flatten_ids(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The ids of all lists in one int64 tensor, and the [len + 1] offsets of each list's run."""
     lengths = [len(ids) for ids in lists]

@@ -261,15 +261,20 @@ class Sampler:
         return u.to(device)
 
 
+def filter_params(batch: SamplingBatch, rows: int) -> tuple[torch.Tensor, ...]:
+    """(temperature, min_p, top_k, top_p) per row as the native kernels take them, "off" where unset."""
+    min_p = batch.min_p if batch.min_p is not None else torch.zeros(rows)
+    top_k = batch.top_k if batch.top_k is not None else torch.zeros(rows, dtype=torch.int64)
+    top_p = batch.top_p if batch.top_p is not None else torch.ones(rows)
+    return batch.temperatures.to(torch.float32), min_p, top_k, top_p
+
+
 def native_draw(masked: torch.Tensor, batch: SamplingBatch, u: torch.Tensor, is_greedy: torch.Tensor) -> torch.Tensor:
     """What ``inverse_cdf(Sampler.probs(masked, batch), u)`` draws, by the native kernel
     (``ops.sample_rows``: a few passes over each row in cache instead of ~10 full-vocabulary torch
     ops). Only the sampling rows are passed; greedy rows get 0 (their argmax is taken elsewhere)."""
     rows = masked.shape[0]
-    temps = batch.temperatures.to(torch.float32)
-    min_p = batch.min_p if batch.min_p is not None else torch.zeros(rows)
-    top_k = batch.top_k if batch.top_k is not None else torch.zeros(rows, dtype=torch.int64)
-    top_p = batch.top_p if batch.top_p is not None else torch.ones(rows)
+    temps, min_p, top_k, top_p = filter_params(batch, rows)
     if not bool(is_greedy.any()):
         return ops.sample_rows(masked, temps, min_p, top_k, top_p, u)
     idx = (~is_greedy).nonzero()[:, 0]

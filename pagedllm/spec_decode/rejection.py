@@ -15,11 +15,13 @@ applied first, as the sampler does). Draws come from the request's own generator
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pagedllm.kernels import ops
 from pagedllm.outputs import RowLogprobs
-from pagedllm.sampler.sampler import Sampler, SamplingBatch, gather_logprobs, inverse_cdf
+from pagedllm.sampler.sampler import Sampler, SamplingBatch, filter_params, gather_logprobs, inverse_cdf
 
 
 def verify_drafts(
@@ -31,22 +33,19 @@ def verify_drafts(
     without drafts has one row, sampled as usual); ``batch`` has one entry per row.
     """
     raw_logprobs, masked = sampler.prepare(logits, batch)
-    greedy_tokens = ops.argmax(masked).tolist()
+    starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+    assert starts[-1] == logits.shape[0]
     temps = batch.temperatures.tolist()
-    probs = sampler.probs(masked, batch) if not batch.all_greedy else None
-    tokens: list[list[int]] = []
-    row = 0
-    for draft in drafts:
-        rows = range(row, row + len(draft) + 1)
-        if temps[row] == 0:
-            out = _accept_greedy(draft, greedy_tokens[row : row + len(draft) + 1])
-        else:
-            g = batch.generators[row] or sampler.generator
-            out = _accept_sampled(draft, probs[rows.start : rows.stop], g)
-        tokens.append(out)
-        row = rows.stop
-    assert row == logits.shape[0]
-    return tokens, _logprobs(raw_logprobs, batch, drafts, tokens)
+    sampled = [i for i in range(len(drafts)) if temps[starts[i]] != 0]
+    tokens = dict(zip(sampled, verify_sampled(sampler, masked, batch, [drafts[i] for i in sampled],
+                                              [starts[i] for i in sampled])))  # fmt: skip
+    if len(sampled) < len(drafts):
+        greedy_tokens = ops.argmax(masked).tolist()
+        for i, draft in enumerate(drafts):
+            if i not in tokens:
+                tokens[i] = _accept_greedy(draft, greedy_tokens[starts[i] : starts[i + 1]])
+    ordered = [tokens[i] for i in range(len(drafts))]
+    return ordered, _logprobs(raw_logprobs, batch, drafts, ordered)
 
 
 def _accept_greedy(draft: list[int], target: list[int]) -> list[int]:
@@ -56,26 +55,52 @@ def _accept_greedy(draft: list[int], target: list[int]) -> list[int]:
     return target[: a + 1]
 
 
-def _accept_sampled(draft: list[int], p: torch.Tensor, g: torch.Generator) -> list[int]:
-    """``p``: [len(draft) + 1, vocab] target probabilities; one uniform per draft position."""
+def verify_sampled(
+    sampler: Sampler, masked: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]], starts: list[int]
+) -> list[list[int]]:
+    """The tokens of sampled requests (request i: draft ``drafts[i]``, rows from ``starts[i]``).
+
+    Each request takes ``len(draft) + 1`` uniforms from its generator however many drafts are
+    accepted: one per draft for its acceptance test, the last for the one draw. Natively where
+    the row kernels run (``ops.verify_rows``: only the rows up to the first rejection are
+    filtered), else by the torch rule (``accept_sampled``); both give the same tokens."""
+    if not drafts:
+        return []
+    u = torch.zeros(masked.shape[0], dtype=torch.float64)
+    for draft, start in zip(drafts, starts):
+        g = batch.generators[start] or sampler.generator
+        u[start : start + len(draft) + 1] = torch.rand(len(draft) + 1, generator=g, dtype=torch.float64)
+    if not ops.native_rows(masked):
+        probs = sampler.probs(masked, batch)
+        return [accept_sampled(d, probs[s : s + len(d) + 1], u[s : s + len(d) + 1]) for d, s in zip(drafts, starts)]
+    draft_rows = torch.full((masked.shape[0],), -1, dtype=torch.int64)
+    for draft, start in zip(drafts, starts):
+        draft_rows[start : start + len(draft)] = torch.tensor(draft, dtype=torch.int64)
+    out = ops.verify_rows(
+        masked, torch.tensor(starts), torch.tensor([len(d) + 1 for d in drafts]), draft_rows,
+        *filter_params(batch, masked.shape[0]), u,
+    ).tolist()  # fmt: skip
+    result = []
+    for draft, start in zip(drafts, starts):
+        emitted = out[start : start + len(draft) + 1]
+        result.append(emitted[: emitted.index(-1)] if -1 in emitted else emitted)
+    return result
+
+
+def accept_sampled(draft: list[int], p: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """The torch rule. ``p``: [len(draft) + 1, vocab] target probabilities; ``u``: the request's
+    len(draft) + 1 uniforms (float64)."""
     out: list[int] = []
     for j, d in enumerate(draft):
-        u = torch.rand((), generator=g, device=p.device)
-        if u < p[j, d]:
+        if u[j] < p[j, d]:
             out.append(d)
             continue
         residual = p[j].clone()
         residual[d] = 0
-        out.append(_draw(residual, g))  # inverse_cdf needs no normalisation
+        out.append(int(inverse_cdf(residual[None], u[-1:])[0]))  # inverse_cdf needs no normalisation
         return out
-    out.append(_draw(p[len(draft)], g))
+    out.append(int(inverse_cdf(p[-1][None], u[-1:])[0]))
     return out
-
-
-def _draw(weights: torch.Tensor, g: torch.Generator) -> int:
-    """A draw proportional to ``weights`` [vocab], as the sampler draws (one uniform)."""
-    u = torch.rand(1, generator=g, dtype=torch.float64)
-    return int(inverse_cdf(weights[None], u)[0])
 
 
 def _logprobs(raw: torch.Tensor | None, batch: SamplingBatch, drafts: list[list[int]],

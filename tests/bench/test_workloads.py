@@ -1,6 +1,6 @@
 import argparse
 
-from pagedllm.bench.common import add_workload_args, workload_from_args
+from pagedllm.bench.common import add_workload_args, request_params, sampling_from_args, workload_from_args
 from pagedllm.bench.workloads import WORKLOADS
 
 
@@ -50,13 +50,13 @@ def test_sampled_throughput_runs_seed_each_request_and_compare_with_no_peer(monk
 
     from pagedllm.bench import throughput
 
-    assert throughput.sampling_from_args(_throughput_args([])) == {}  # greedy by default
-    greedy = throughput.request_params({}, 8, 3)
+    assert sampling_from_args(_throughput_args([])) == {}  # greedy by default
+    greedy = request_params({}, 8, 3)
     assert (greedy.temperature, greedy.seed, greedy.max_tokens, greedy.ignore_eos) == (0.0, None, 8, True)
     args = _throughput_args(["--num-prompts", "2", "--temperature", "0.8", "--top-p", "0.95", "--presence-penalty", "0.5"])
-    sampling = throughput.sampling_from_args(args)
+    sampling = sampling_from_args(args)
     assert sampling == {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.5}
-    p = throughput.request_params(sampling, 16, 5)
+    p = request_params(sampling, 16, 5)
     assert (p.temperature, p.top_p, p.presence_penalty, p.seed, p.max_tokens) == (0.8, 0.95, 0.5, 5, 16)
     seen = {}
     monkeypatch.setattr(throughput, "run_pagedllm", lambda w, kw, sampling=None: seen.update(sampling=sampling)
@@ -65,3 +65,23 @@ def test_sampled_throughput_runs_seed_each_request_and_compare_with_no_peer(monk
     assert seen["sampling"] == sampling and result["sampling"] == sampling
     with pytest.raises(ValueError, match="greedy only"):
         throughput.run(_throughput_args(["--temperature", "0.8", "--compare", "transformers"]), {"dtype": "float32"})
+
+
+def test_sampled_latency_seeds_each_request_alike_in_the_plain_and_the_speculative_pass(tiny_llama_tok, monkeypatch):
+    from pagedllm.bench import latency
+
+    seen = []
+    real = latency.request_params
+    monkeypatch.setattr(latency, "request_params", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    p = argparse.ArgumentParser()
+    latency.add_args(p)
+    args = p.parse_args(["--input-len", "8", "--output-len", "6", "--num-iters", "2", "--temperature", "0.8",
+                         "--top-p", "0.9"])  # fmt: skip
+    engine = {"model": str(tiny_llama_tok), "dtype": "float32", "num_kv_blocks": 64,
+              "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}  # fmt: skip
+    result = latency.run(args, engine)
+    assert result["sampling"] == {"temperature": 0.8, "top_p": 0.9}
+    timed = [q for q in seen if q.max_tokens == 6]
+    assert [q.seed for q in timed] == [0, 1, 0, 1]  # plain pass, then the speculative one
+    assert all((q.temperature, q.top_p, q.ignore_eos) == (0.8, 0.9, True) for q in timed)
+    assert result["output_tokens"] == result["plain"]["output_tokens"] == 12

@@ -18,6 +18,7 @@ from tests.sampler.test_sampler import (
     check_native_draws_follow_the_torch_rule,
     check_native_penalties_match_the_torch_code,
 )
+from tests.spec_decode.test_proposer_and_rejection import check_native_verification_follows_the_torch_rule
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -251,6 +252,7 @@ def check_against_the_twins(lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -
     check_native_draws_follow_the_torch_rule(vocab=5000)
     check_native_penalties_match_the_torch_code(vocab=5000)
     check_native_argmax()
+    check_native_verification_follows_the_torch_rule(vocab=5000)
 
 
 def test_portable_build_matches_the_torch_twins(monkeypatch):

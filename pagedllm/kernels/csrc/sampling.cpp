@@ -24,6 +24,10 @@ extern "C" {
 void sample_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, int64_t rows, int64_t vocab,
                      const float* temperature, const float* min_p, const int64_t* top_k, const float* top_p,
                      const double* u, int nthreads);
+void verify_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, int64_t vocab,
+                     const int64_t* first_row, const int64_t* num_rows, int64_t num_requests, const int64_t* draft,
+                     const float* temperature, const float* min_p, const int64_t* top_k, const float* top_p,
+                     const double* u, int nthreads);
 void apply_penalties_f32(float* logits, int64_t logits_stride, int64_t vocab, const int64_t* rows, int64_t num_rows,
                          const int64_t* output_ids, const int64_t* output_offsets, const int64_t* prompt_ids,
                          const int64_t* prompt_offsets, const float* presence, const float* frequency,
@@ -150,6 +154,27 @@ int64_t draw(const float* w, int64_t n, double u) {
     return 0;
 }
 
+// The weights of row x after temperature, min-p, top-k and top-p (``w``); false when the row
+// allows no token at all.
+bool filtered_weights(std::vector<float>& w, const float* x, int64_t vocab, float temperature, float min_p,
+                      int64_t top_k, float top_p, std::vector<int64_t>& counts, std::vector<double>& mass,
+                      std::vector<float>& pool) {
+    const float m = row_max(x, vocab);
+    if (!(m > -std::numeric_limits<float>::infinity())) return false;
+    weights(w.data(), x, vocab, m, 1.f / temperature);
+    if (min_p > 0.f) cut_below(w.data(), vocab, min_p * row_max(w.data(), vocab));
+    if (top_k > 0 && top_k < vocab) cut_below(w.data(), vocab, kth_largest(w.data(), vocab, top_k, counts, pool));
+    if (top_p < 1.f) cut_below(w.data(), vocab, nucleus_floor(w.data(), vocab, top_p, mass, pool));
+    return true;
+}
+
+double row_total(const float* w, int64_t n) {
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; j++) total += w[j];
+    return total;
+}
+
 }  // namespace
 
 // One token per row of `logits` (rows x vocab, row stride `logits_stride`), every temperature
@@ -167,17 +192,53 @@ void sample_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, i
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float* x = logits + r * logits_stride;
-            const float m = row_max(x, vocab);
-            if (!(m > -std::numeric_limits<float>::infinity())) {  // nothing allowed: never asked for
-                out[r] = 0;
-                continue;
+            out[r] = filtered_weights(w, x, vocab, temperature[r], min_p[r], top_k[r], top_p[r], counts, mass, pool)
+                         ? draw(w.data(), vocab, u[r])
+                         : 0;  // nothing allowed: never asked for
+        }
+    }
+}
+
+// Speculative verification of sampled requests (the rule of pagedllm/spec_decode/rejection.py,
+// whose torch code is the reference). Request i owns rows first_row[i] .. + num_rows[i] - 1 of
+// `logits`; draft[r] is the token drafted at row r (every row but a request's last). Row r's
+// draft d is accepted when u[r] < p_r(d), p_r the filtered distribution of the row; the first
+// rejected row draws from p_r with d removed, or, all drafts accepted, the last row draws from its
+// own p: both with the request's last uniform. out[r] is the token emitted at row r, -1 for the
+// rows after the draw. Only the rows up to the first rejection are filtered at all.
+void verify_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, int64_t vocab,
+                     const int64_t* first_row, const int64_t* num_rows, int64_t num_requests, const int64_t* draft,
+                     const float* temperature, const float* min_p, const int64_t* top_k, const float* top_p,
+                     const double* u, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (num_requests >= 2)
+    {
+        thread_local std::vector<float> w, pool;
+        thread_local std::vector<int64_t> counts(NUM_BUCKETS);
+        thread_local std::vector<double> mass(NUM_BUCKETS);
+        if (int64_t(w.size()) < vocab) w.resize(vocab);
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < num_requests; i++) {
+            const int64_t first = first_row[i], last = first + num_rows[i] - 1;
+            const double u_draw = u[last];
+            for (int64_t r = first; r <= last; r++) out[r] = -1;
+            for (int64_t r = first; r <= last; r++) {
+                const float* x = logits + r * logits_stride;
+                if (!filtered_weights(w, x, vocab, temperature[r], min_p[r], top_k[r], top_p[r], counts, mass, pool)) {
+                    out[r] = 0;  // nothing allowed: never asked for
+                    break;
+                }
+                if (r < last) {
+                    const int64_t d = draft[r];
+                    PAGEDLLM_CHECK(d >= 0 && d < vocab, "draft token %lld outside the vocabulary", (long long)d);
+                    if (u[r] * row_total(w.data(), vocab) < double(w[d])) {
+                        out[r] = d;
+                        continue;
+                    }
+                    w[d] = 0.f;  // (d cannot hold all the mass here: then u < 1 = p(d) accepts it)
+                }
+                out[r] = draw(w.data(), vocab, u_draw);
+                break;
             }
-            weights(w.data(), x, vocab, m, 1.f / temperature[r]);
-            if (min_p[r] > 0.f) cut_below(w.data(), vocab, min_p[r] * row_max(w.data(), vocab));
-            if (top_k[r] > 0 && top_k[r] < vocab)
-                cut_below(w.data(), vocab, kth_largest(w.data(), vocab, top_k[r], counts, pool));
-            if (top_p[r] < 1.f) cut_below(w.data(), vocab, nucleus_floor(w.data(), vocab, top_p[r], mass, pool));
-            out[r] = draw(w.data(), vocab, u[r]);
         }
     }
 }
