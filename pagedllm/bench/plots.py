@@ -2,7 +2,8 @@
 
 Why: the tables in docs/benchmarks.md give single points; a plot of output tokens/s against
 the number of prompts (pagedllm next to transformers ``generate`` and vLLM, when run) and of serving latency
-against request rate shows the trends and where the engine saturates at a glance.
+against request rate shows the trends and where the engine saturates at a glance; speculative
+decoding's speed-ups (``bench latency --speculative-config``) show per workload and method.
 
     python -m pagedllm.bench.plots --results-dir results/ --out-dir docs/benchmarks
 
@@ -213,6 +214,61 @@ def plot_serve(results: list[Result], out: Path) -> Path | None:
     return path
 
 
+def _spec_label(r: Result) -> str:
+    """The method of a speculative latency result, with k and the sampling if not greedy."""
+    spec = r["speculative_config"]
+    label = f"{spec.get('method')}, k={spec.get('num_speculative_tokens', '?')}"
+    sampling = r.get("sampling") or {}
+    if sampling:
+        label += ", " + ", ".join(f"{k} {v:g}" for k, v in sampling.items())
+    return label
+
+
+def plot_speculative(results: list[Result], out: Path) -> Path | None:
+    """Decode tokens/s over plain decoding's per workload and method (``bench latency
+    --speculative-config``, which measures both in one run), each bar marked with the mean
+    acceptance length; the repeats of a (workload, method) pair are averaged."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    runs = [r for r in results if r.get("speculative_config") and "decode_tokens_per_s_speedup" in r]
+    if not runs:
+        print("note: no speculative latency results (with their plain pass); speculative plot skipped")
+        return None
+    cells: dict[tuple[str, str], list[Result]] = defaultdict(list)
+    for r in runs:
+        cells[(str(r.get("workload")), _spec_label(r))].append(r)
+    workloads = sorted({w for w, _ in cells})
+    methods = sorted({m for _, m in cells})
+    fig = Figure(figsize=(max(7.0, 1.5 + 0.8 * len(workloads) * len(methods)), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    width = 0.8 / len(methods)
+    labelled: set[str] = set()
+    for j, method in enumerate(methods):
+        for i, workload in enumerate(workloads):
+            got = cells.get((workload, method))
+            if not got:
+                continue
+            speedup = mean(r["decode_tokens_per_s_speedup"] for r in got)
+            lengths = [r["spec_decode"]["mean_acceptance_length"] for r in got if r.get("spec_decode")]
+            x = i - 0.4 + width * (j + 0.5)
+            ax.bar(x, speedup, width, color=f"C{j}", label=None if method in labelled else method)
+            labelled.add(method)
+            note = f"{speedup:.2f}x" + (f"\nlen {mean(lengths):.2f}" if lengths else "\nno drafts")
+            ax.text(x, speedup, note, ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(workloads)), labels=workloads)
+    ax.set_ylabel("decode tokens/s, speculative / plain")
+    ax.set_ylim(0, max(mean(r["decode_tokens_per_s_speedup"] for r in got) for got in cells.values()) * 1.25)
+    ax.grid(True, axis="y", alpha=0.4)
+    ax.legend(title="method (len: mean acceptance length)", fontsize=8)
+    fig.suptitle(_title("Speculative decoding, one request at a time", runs))
+    path = out / "speculative_speedup.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedllm.bench.plots", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -237,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         ", ".join(f"{len(found[k])} {k}" for k in ("throughput", "serve", "latency"))
         + f" result(s) in {args.results_dir}"
     )
-    if found["latency"]:
-        print("note: latency results are single points (W2); no plot is drawn for them")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if found["throughput"]:
@@ -246,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("note: no throughput results; throughput plot skipped")
     written.append(plot_serve(found["serve"], args.out_dir))
+    written.append(plot_speculative(found["latency"], args.out_dir))
     written = [path for path in written if path is not None]
     for path in written:
         print(f"wrote {path}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench import plots, serve, throughput
+from pagedllm.bench import latency, plots, serve, throughput
 
 pytest.importorskip("matplotlib")
 
@@ -131,3 +131,46 @@ def test_one_batch_size_renders_as_bars(monkeypatch, tmp_path):
     out = tmp_path / "out"
     assert plots.main(["--results-dir", str(tmp_path), "--out-dir", str(out)]) == 0
     _assert_png(out / "throughput_vs_prompts.png")
+
+
+def _write_spec_latency(monkeypatch, path: Path, workload: str, method: str, speedup: float, sampled: bool = False) -> None:
+    """``bench latency --speculative-config ... --save-result path`` with a fake engine whose
+    plain pass decodes 100 tok/s and whose speculative pass ``speedup`` times that."""
+
+    def fake_measure(args, kw):
+        spec = kw.get("speculative_config")
+        rate = 100.0 * (speedup if spec else 1.0)
+        return {
+            "dtype": "float32", "ttft_ms": {"mean": 1, "median": 1, "p99": 1},
+            "ms_per_output_token": {"mean": 1e3 / rate, "median": 1e3 / rate, "p99": 1e3 / rate},
+            "output_tokens": 64, "decode_tokens_per_s": rate, "cpu_ms_per_output_token": 1e3 / rate,
+            "spec_decode": {"acceptance_rate": 0.5, "mean_acceptance_length": 1 + speedup / 2} if spec and speedup > 1 else None,
+        }  # fmt: skip
+
+    monkeypatch.setattr(latency, "_measure", fake_measure)
+    argv = ["--save-result", str(path)] + (["--text-prompts", workload] if workload != "W2" else ["--workload", "W2"])
+    latency.run(_args(latency.add_args, argv + (["--temperature", "0.7"] if sampled else [])),
+                {"speculative_config": {"method": method, "num_speculative_tokens": 3}})  # fmt: skip
+
+
+def test_speculative_latency_results_render_one_bar_per_workload_and_method(monkeypatch, tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    for i, (workload, method, speedup) in enumerate([("W2", "ngram", 2.3), ("edit", "ngram", 1.5), ("edit", "ngram", 1.6),
+                                                      ("chat", "eagle", 0.97), ("chat", "medusa", 1.04)]):  # fmt: skip
+        _write_spec_latency(monkeypatch, results / f"spec{i}.json", workload, method, speedup)
+    _write_spec_latency(monkeypatch, results / "sampled.json", "edit", "ngram", 1.47, sampled=True)
+    saved = json.loads((results / "spec1.json").read_text())
+    assert plots.classify(saved) == "latency" and saved["decode_tokens_per_s_speedup"] == pytest.approx(1.5)
+    drawn = []
+    real_bar = __import__("matplotlib.axes", fromlist=["Axes"]).Axes.bar
+    monkeypatch.setattr("matplotlib.axes.Axes.bar", lambda ax, x, h, *a, **k: drawn.append((round(h, 3), k.get("label")))
+                        or real_bar(ax, x, h, *a, **k))  # fmt: skip
+    out = tmp_path / "out"
+    assert plots.main(["--results-dir", str(results), "--out-dir", str(out)]) == 0
+    _assert_png(out / "speculative_speedup.png")
+    # The two edit runs of ngram k=3 are averaged; the sampled run is a method of its own.
+    assert sorted(h for h, _ in drawn) == [0.97, 1.04, 1.47, 1.55, 2.3]
+    labels = {label for _, label in drawn if label}
+    assert labels == {"eagle, k=3", "medusa, k=3", "ngram, k=3", "ngram, k=3, temperature 0.7"}
+    assert "no throughput results" in capsys.readouterr().out
