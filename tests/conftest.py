@@ -78,3 +78,18 @@ def tiny_llama_tok(tmp_path_factory, default_tokenizer) -> Path:
     path = save_tiny_model(tmp_path_factory.mktemp("tiny-llama-tok"), vocab_size=49152, seed=3)
     default_tokenizer.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(params=["native", "torch"])
+def native_or_torch(request):
+    """Runs a test on the native row kernels (sampling, draft verification) and on their torch
+    rules alike."""
+    from pagedllm.kernels import ops
+
+    if request.param == "torch":
+        with ops.torch_only():
+            yield request.param
+    else:
+        if not ops.native_available():
+            pytest.skip("no native kernels here (no C++ compiler): the torch rule is tested")
+        yield request.param

@@ -256,14 +256,17 @@ def sample_rows(
     rows, vocab = logits.shape
     assert native_rows(logits)
     out = torch.empty(rows, dtype=torch.int64)
-    temperature = temperature.to(_F32).contiguous()
-    min_p, top_p = min_p.to(_F32).contiguous(), top_p.to(_F32).contiguous()
-    top_k, u = top_k.to(torch.int64).contiguous(), u.to(torch.float64).contiguous()
+    filters = _filter_args(temperature, min_p, top_k, top_p, u)
     load_kernels().sample_rows_f32(
-        _ptr(out), _ptr(logits), logits.stride(0), rows, vocab, _ptr(temperature), _ptr(min_p), _ptr(top_k),
-        _ptr(top_p), _ptr(u), torch.get_num_threads(),
-    )  # fmt: skip
+        _ptr(out), _ptr(logits), logits.stride(0), rows, vocab, *map(_ptr, filters), torch.get_num_threads()
+    )
     return out
+
+
+def _filter_args(temperature, min_p, top_k, top_p, u) -> list[torch.Tensor]:
+    """The row kernels' per-row filter parameters and uniforms, in the dtypes they read."""
+    dtypes = (_F32, _F32, torch.int64, _F32, torch.float64)
+    return [t.to(d).contiguous() for t, d in zip((temperature, min_p, top_k, top_p, u), dtypes)]
 
 
 def verify_rows(
@@ -291,13 +294,11 @@ def verify_rows(
     assert len(first_row) == len(num_rows) and bool((first_row + num_rows <= rows).all())
     if len(draft) and (int(draft.min()) < -1 or int(draft.max()) >= vocab):
         raise ValueError(f"draft tokens outside the vocabulary [0, {vocab})")
-    draft, u = draft.to(torch.int64).contiguous(), u.to(torch.float64).contiguous()
-    temperature = temperature.to(_F32).contiguous()
-    min_p, top_p = min_p.to(_F32).contiguous(), top_p.to(_F32).contiguous()
-    top_k = top_k.to(torch.int64).contiguous()
+    draft = draft.to(torch.int64).contiguous()
+    filters = _filter_args(temperature, min_p, top_k, top_p, u)
     load_kernels().verify_rows_f32(
         _ptr(out), _ptr(logits), logits.stride(0), vocab, _ptr(first_row), _ptr(num_rows), len(first_row),
-        _ptr(draft), _ptr(temperature), _ptr(min_p), _ptr(top_k), _ptr(top_p), _ptr(u), torch.get_num_threads(),
+        _ptr(draft), *map(_ptr, filters), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

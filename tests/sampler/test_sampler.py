@@ -42,18 +42,6 @@ def assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
     assert p > 0.001, f"counts {counts} vs expected {exp.round(1)} (p={p:.2e})"
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request):
-    """The distribution tests run the native sampling kernel and its torch rule alike."""
-    if request.param == "torch":
-        with ops.torch_only():
-            yield request.param
-    else:
-        if not ops.native_available():
-            pytest.skip("no native kernels here (no C++ compiler): the torch rule is tested")
-        yield request.param
-
-
 def softmax(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     e = np.exp(x - x.max())
@@ -61,19 +49,19 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_temperature(temperature, path):
+def test_temperature(temperature, native_or_torch):
     counts = sample_many({"temperature": temperature})
     assert_follows(counts, softmax(LOGITS.numpy() / temperature))
 
 
-def test_top_k(path):
+def test_top_k(native_or_torch):
     counts = sample_many({"top_k": 3})
     probs = softmax(LOGITS.numpy())
     probs[3:] = 0
     assert_follows(counts, probs)
 
 
-def test_top_p(path):
+def test_top_p(native_or_torch):
     probs = softmax(LOGITS.numpy())  # sorted descending already
     top_p = 0.8
     # Keep the smallest prefix whose mass reaches top_p.
@@ -102,7 +90,7 @@ def test_top_p_without_a_full_sort_keeps_what_the_sorted_rule_keeps():
     assert sizes.min() < 256 and ((sizes > 256) & (sizes < 4096)).any() and sizes.max() > 4096  # every stage ran
 
 
-def test_min_p(path):
+def test_min_p(native_or_torch):
     probs = softmax(LOGITS.numpy())
     min_p = 0.2
     keep = probs >= min_p * probs.max()
@@ -111,7 +99,7 @@ def test_min_p(path):
     assert 1 < keep.sum() < VOCAB
 
 
-def test_temperature_then_top_k_then_top_p(path):
+def test_temperature_then_top_k_then_top_p(native_or_torch):
     t, k, p = 0.7, 5, 0.9
     probs = softmax(LOGITS.numpy() / t)
     probs[k:] = 0
@@ -127,7 +115,7 @@ def run_single(logits: torch.Tensor, **kw) -> tuple[torch.Tensor, SamplingBatch]
     return logits, batch
 
 
-def test_penalties_change_logits_exactly_as_their_formulas_say(path):
+def test_penalties_change_logits_exactly_as_their_formulas_say(native_or_torch):
     from pagedllm.sampler.sampler import apply_penalties
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0, 0.0, 4.0]])

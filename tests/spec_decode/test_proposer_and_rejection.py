@@ -172,20 +172,8 @@ def _assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
     assert p > 0.001, f"counts {counts} vs expected {(probs * counts.sum()).round(1)} (p={p:.2e})"
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request):
-    """Verification runs the native kernel (``ops.verify_rows``) and its torch rule alike."""
-    if request.param == "torch":
-        with ops.torch_only():
-            yield request.param
-    else:
-        if not ops.native_available():
-            pytest.skip("no native kernels here (no C++ compiler): the torch rule is tested")
-        yield request.param
-
-
 @pytest.mark.parametrize("temperature,top_k,draft", [(1.0, 0, [1, 3]), (0.7, 4, [0, 4]), (1.0, 3, [5, 3])])
-def test_verification_keeps_the_target_distribution(temperature, top_k, draft, path):
+def test_verification_keeps_the_target_distribution(temperature, top_k, draft, native_or_torch):
     """First token ~ p_0; after an accepted first draft, the second ~ p_1. The draft [5, ...]
     with top-k 3 is never in p_0's support: always rejected, and still p_0 comes out."""
     from pagedllm.spec_decode.rejection import verify_drafts

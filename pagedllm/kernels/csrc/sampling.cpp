@@ -154,17 +154,31 @@ int64_t draw(const float* w, int64_t n, double u) {
     return 0;
 }
 
-// The weights of row x after temperature, min-p, top-k and top-p (``w``); false when the row
+// A thread's buffers for filtering rows, kept across calls: a fresh 200 KB buffer would be new
+// pages every step.
+struct RowScratch {
+    std::vector<float> w, pool;
+    std::vector<int64_t> counts = std::vector<int64_t>(NUM_BUCKETS);
+    std::vector<double> mass = std::vector<double>(NUM_BUCKETS);
+};
+
+RowScratch& row_scratch(int64_t vocab) {
+    thread_local RowScratch s;
+    if (int64_t(s.w.size()) < vocab) s.w.resize(vocab);
+    return s;
+}
+
+// The weights of row x after temperature, min-p, top-k and top-p (into s.w); false when the row
 // allows no token at all.
-bool filtered_weights(std::vector<float>& w, const float* x, int64_t vocab, float temperature, float min_p,
-                      int64_t top_k, float top_p, std::vector<int64_t>& counts, std::vector<double>& mass,
-                      std::vector<float>& pool) {
+bool filtered_weights(RowScratch& s, const float* x, int64_t vocab, float temperature, float min_p, int64_t top_k,
+                      float top_p) {
+    float* w = s.w.data();
     const float m = row_max(x, vocab);
     if (!(m > -std::numeric_limits<float>::infinity())) return false;
-    weights(w.data(), x, vocab, m, 1.f / temperature);
-    if (min_p > 0.f) cut_below(w.data(), vocab, min_p * row_max(w.data(), vocab));
-    if (top_k > 0 && top_k < vocab) cut_below(w.data(), vocab, kth_largest(w.data(), vocab, top_k, counts, pool));
-    if (top_p < 1.f) cut_below(w.data(), vocab, nucleus_floor(w.data(), vocab, top_p, mass, pool));
+    weights(w, x, vocab, m, 1.f / temperature);
+    if (min_p > 0.f) cut_below(w, vocab, min_p * row_max(w, vocab));
+    if (top_k > 0 && top_k < vocab) cut_below(w, vocab, kth_largest(w, vocab, top_k, s.counts, s.pool));
+    if (top_p < 1.f) cut_below(w, vocab, nucleus_floor(w, vocab, top_p, s.mass, s.pool));
     return true;
 }
 
@@ -182,20 +196,13 @@ double row_total(const float* w, int64_t n) {
 void sample_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, int64_t rows, int64_t vocab,
                      const float* temperature, const float* min_p, const int64_t* top_k, const float* top_p,
                      const double* u, int nthreads) {
-#pragma omp parallel num_threads(nthreads) if (rows >= 2)
-    {
-        // Kept per thread across calls: a fresh 200 KB buffer would be new pages every step.
-        thread_local std::vector<float> w, pool;
-        thread_local std::vector<int64_t> counts(NUM_BUCKETS);
-        thread_local std::vector<double> mass(NUM_BUCKETS);
-        if (int64_t(w.size()) < vocab) w.resize(vocab);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const float* x = logits + r * logits_stride;
-            out[r] = filtered_weights(w, x, vocab, temperature[r], min_p[r], top_k[r], top_p[r], counts, mass, pool)
-                         ? draw(w.data(), vocab, u[r])
-                         : 0;  // nothing allowed: never asked for
-        }
+#pragma omp parallel for num_threads(nthreads) if (rows >= 2) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        RowScratch& s = row_scratch(vocab);
+        const float* x = logits + r * logits_stride;
+        out[r] = filtered_weights(s, x, vocab, temperature[r], min_p[r], top_k[r], top_p[r])
+                     ? draw(s.w.data(), vocab, u[r])
+                     : 0;  // nothing allowed: never asked for
     }
 }
 
@@ -210,35 +217,30 @@ void verify_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, i
                      const int64_t* first_row, const int64_t* num_rows, int64_t num_requests, const int64_t* draft,
                      const float* temperature, const float* min_p, const int64_t* top_k, const float* top_p,
                      const double* u, int nthreads) {
-#pragma omp parallel num_threads(nthreads) if (num_requests >= 2)
-    {
-        thread_local std::vector<float> w, pool;
-        thread_local std::vector<int64_t> counts(NUM_BUCKETS);
-        thread_local std::vector<double> mass(NUM_BUCKETS);
-        if (int64_t(w.size()) < vocab) w.resize(vocab);
-#pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < num_requests; i++) {
-            const int64_t first = first_row[i], last = first + num_rows[i] - 1;
-            const double u_draw = u[last];
-            for (int64_t r = first; r <= last; r++) out[r] = -1;
-            for (int64_t r = first; r <= last; r++) {
-                const float* x = logits + r * logits_stride;
-                if (!filtered_weights(w, x, vocab, temperature[r], min_p[r], top_k[r], top_p[r], counts, mass, pool)) {
-                    out[r] = 0;  // nothing allowed: never asked for
-                    break;
-                }
-                if (r < last) {
-                    const int64_t d = draft[r];
-                    PAGEDLLM_CHECK(d >= 0 && d < vocab, "draft token %lld outside the vocabulary", (long long)d);
-                    if (u[r] * row_total(w.data(), vocab) < double(w[d])) {
-                        out[r] = d;
-                        continue;
-                    }
-                    w[d] = 0.f;  // (d cannot hold all the mass here: then u < 1 = p(d) accepts it)
-                }
-                out[r] = draw(w.data(), vocab, u_draw);
+#pragma omp parallel for num_threads(nthreads) if (num_requests >= 2) schedule(dynamic)
+    for (int64_t i = 0; i < num_requests; i++) {
+        RowScratch& s = row_scratch(vocab);
+        float* w = s.w.data();
+        const int64_t first = first_row[i], last = first + num_rows[i] - 1;
+        const double u_draw = u[last];
+        for (int64_t r = first; r <= last; r++) out[r] = -1;
+        for (int64_t r = first; r <= last; r++) {
+            const float* x = logits + r * logits_stride;
+            if (!filtered_weights(s, x, vocab, temperature[r], min_p[r], top_k[r], top_p[r])) {
+                out[r] = 0;  // nothing allowed: never asked for
                 break;
             }
+            if (r < last) {
+                const int64_t d = draft[r];
+                PAGEDLLM_CHECK(d >= 0 && d < vocab, "draft token %lld outside the vocabulary", (long long)d);
+                if (u[r] * row_total(w, vocab) < double(w[d])) {
+                    out[r] = d;
+                    continue;
+                }
+                w[d] = 0.f;  // (d cannot hold all the mass here: then u < 1 = p(d) accepts it)
+            }
+            out[r] = draw(w, vocab, u_draw);
+            break;
         }
     }
 }
