@@ -349,3 +349,28 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     load_kernels().argmax_rows_f32(_ptr(out), _ptr(x), x.stride(0), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
+
+
+def logprobs_rows(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For row ``rows[i]`` of ``logits`` (native, CPU): the log-probability of ``token_ids[i]``,
+    its rank (1 + how many log-probabilities are greater) and the ``k`` largest log-probabilities
+    with their token ids (ties: the lower id first) - what ``log_softmax`` then a gather, a count
+    and ``topk`` give (``sampler.gather_logprobs``' torch path), with the exp sum in float64.
+    Callers check ``native_rows(logits)`` first."""
+    assert native_rows(logits) and k >= 0
+    vocab = logits.shape[1]
+    rows, token_ids = rows.to(torch.int64).contiguous(), token_ids.to(torch.int64).contiguous()
+    n = len(rows)
+    assert len(token_ids) == n and k <= vocab
+    for name, t, hi in (("rows", rows, logits.shape[0]), ("token ids", token_ids, vocab)):
+        if n and (int(t.min()) < 0 or int(t.max()) >= hi):
+            raise ValueError(f"logprobs {name} outside [0, {hi})")
+    token_lp, rank = torch.empty(n, dtype=_F32), torch.empty(n, dtype=torch.int64)
+    top_ids, top_lp = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k, dtype=_F32)
+    load_kernels().logprobs_rows_f32(
+        _ptr(token_lp), _ptr(rank), _ptr(top_ids), _ptr(top_lp), _ptr(logits), logits.stride(0), _ptr(rows), n,
+        vocab, _ptr(token_ids), k, torch.get_num_threads(),
+    )  # fmt: skip
+    return token_lp, rank, top_ids, top_lp

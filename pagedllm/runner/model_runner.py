@@ -446,6 +446,6 @@ class ModelRunner:
             if first >= last:
                 continue
             base = int(query_start_loc[row]) - s.num_computed_tokens
-            logprobs = self.model.compute_logits(hidden[base + first : base + last]).log_softmax(dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logprobs.device)
-            result.prompt_logprobs[req.req_id] = (first, gather_logprobs(logprobs, targets, [k] * (last - first)))
+            logits = self.model.compute_logits(hidden[base + first : base + last])
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=logits.device)
+            result.prompt_logprobs[req.req_id] = (first, gather_logprobs(logits, targets, [k] * (last - first)))

@@ -63,29 +63,36 @@ class SamplerOutput:
     logprobs: list[RowLogprobs | None]
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int | None]) -> list[RowLogprobs | None]:
-    """Per row: the log-probability and 1-based rank of ``token_ids[row]``, plus the top-k.
+def gather_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int | None], rows: list[int] | None = None
+) -> list[RowLogprobs | None]:
+    """Per row (``rows`` of ``logits``, or all of them): the log-probability and 1-based rank
+    of ``token_ids[i]`` in the row's log-softmax, plus its top-k; rows whose k is None get None.
 
-    ``logprobs`` [rows, vocab] is a log-softmax; rows whose k is None get None.
-    """
-    wanted = [k for k in ks if k is not None]
+    ``logits`` are the raw logits. Natively where the row kernels run (``ops.logprobs_rows``: a
+    few passes over each row in cache), else log_softmax, a gather, a count and topk in torch."""
+    rows = list(range(logits.shape[0])) if rows is None else rows
+    wanted = [i for i, k in enumerate(ks) if k is not None]
     if not wanted:
         return [None] * len(ks)
-    k_max = max(wanted)
-    top = logprobs.topk(k_max, dim=-1) if k_max > 0 else None
-    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
-    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-    return [
-        None
-        if k is None
-        else RowLogprobs(
-            token_logprob=float(chosen[row]),
-            token_rank=int(ranks[row]),
-            top_ids=top.indices[row, :k].tolist() if top is not None else [],
-            top_logprobs=top.values[row, :k].tolist() if top is not None else [],
-        )
-        for row, k in enumerate(ks)
-    ]
+    k_max = max(ks[i] for i in wanted)
+    sel = torch.tensor([rows[i] for i in wanted], dtype=torch.int64)
+    ids = token_ids.reshape(-1)[torch.tensor(wanted)]
+    if ops.native_rows(logits):
+        chosen, ranks, top_ids, top_lps = ops.logprobs_rows(logits, sel, ids, k_max)
+    else:
+        logprobs = logits[sel.to(logits.device)].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, ids.to(logits.device)[:, None])[:, 0]
+        ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+        top = logprobs.topk(k_max, dim=-1)
+        top_ids, top_lps = top.indices, top.values
+    out: list[RowLogprobs | None] = [None] * len(ks)
+    chosen_l, ranks_l, ids_l, lps_l = chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lps.tolist()
+    for j, i in enumerate(wanted):
+        k = ks[i]
+        out[i] = RowLogprobs(token_logprob=chosen_l[j], token_rank=ranks_l[j], top_ids=ids_l[j][:k],
+                             top_logprobs=lps_l[j][:k])  # fmt: skip
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -198,7 +205,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [rows, vocab] fp32 -> one token (and optional logprobs) per row."""
-        raw_logprobs, masked = self.prepare(logits, batch)
+        raw, masked = self.prepare(logits, batch)
         tokens = ops.argmax(masked)
         if not batch.all_greedy:
             is_greedy = batch.temperatures.to(logits.device) == 0
@@ -210,16 +217,15 @@ class Sampler:
             tokens = torch.where(is_greedy, tokens, sampled)
 
         token_list = tokens.tolist()
-        if raw_logprobs is None:
+        if raw is None:
             return SamplerOutput(token_list, [None] * len(token_list))
-        return SamplerOutput(token_list, gather_logprobs(raw_logprobs, tokens, batch.num_logprobs))
+        return SamplerOutput(token_list, gather_logprobs(raw, tokens, batch.num_logprobs))
 
     def prepare(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(raw log-probabilities if any row asks for them, the logits after every mask, ban,
-        bias, penalty and grammar): greedy rows take the argmax of the latter."""
+        """(the raw logits if any row asks for logprobs - they are reported from the model's own
+        distribution -, the logits after every mask, ban, bias, penalty and grammar): greedy rows
+        take the argmax of the latter."""
         want_logprobs = any(k is not None for k in batch.num_logprobs)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-
         raw = logits
         if batch.allowed or batch.banned or batch.logit_bias or batch.penalty_rows or batch.bitmask_rows:
             logits = logits.clone()
@@ -238,7 +244,7 @@ class Sampler:
             apply_penalties(logits, batch)
         if batch.bitmask_rows:
             apply_grammar(logits, raw, batch)
-        return raw_logprobs, logits
+        return (raw if want_logprobs else None), logits
 
     @staticmethod
     def probs(masked: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

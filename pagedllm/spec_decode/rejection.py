@@ -32,7 +32,7 @@ def verify_drafts(
     ``logits`` has ``len(d) + 1`` consecutive rows per request ``d`` in ``drafts`` (a request
     without drafts has one row, sampled as usual); ``batch`` has one entry per row.
     """
-    raw_logprobs, masked = sampler.prepare(logits, batch)
+    raw, masked = sampler.prepare(logits, batch)
     starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
     assert starts[-1] == logits.shape[0]
     temps = batch.temperatures.tolist()
@@ -45,7 +45,7 @@ def verify_drafts(
             if i not in tokens:
                 tokens[i] = _accept_greedy(draft, greedy_tokens[starts[i] : starts[i + 1]])
     ordered = [tokens[i] for i in range(len(drafts))]
-    return ordered, _logprobs(raw_logprobs, batch, drafts, ordered)
+    return ordered, _logprobs(raw, batch, drafts, ordered)
 
 
 def _accept_greedy(draft: list[int], target: list[int]) -> list[int]:
@@ -105,7 +105,8 @@ def accept_sampled(draft: list[int], p: torch.Tensor, u: torch.Tensor) -> list[i
 
 def _logprobs(raw: torch.Tensor | None, batch: SamplingBatch, drafts: list[list[int]],
               tokens: list[list[int]]) -> list[list[RowLogprobs | None]]:  # fmt: skip
-    """Each emitted token's log-probability from its own row (the rows past it are dropped)."""
+    """Each emitted token's log-probability from its own row of the raw logits (the rows past
+    it are dropped)."""
     if raw is None:
         return [[None] * len(t) for t in tokens]
     rows, ids, ks = [], [], []
@@ -115,7 +116,7 @@ def _logprobs(raw: torch.Tensor | None, batch: SamplingBatch, drafts: list[list[
         ids.extend(out)
         ks.extend(batch.num_logprobs[row : row + len(out)])
         row += len(draft) + 1
-    entries = gather_logprobs(raw[torch.tensor(rows)], torch.tensor(ids, device=raw.device), ks)
+    entries = gather_logprobs(raw, torch.tensor(ids, device=raw.device), ks, rows)
     result, at = [], 0
     for out in tokens:
         result.append(entries[at : at + len(out)])

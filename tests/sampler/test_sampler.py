@@ -322,3 +322,51 @@ def check_native_argmax() -> None:
     x[6, 900:] = float("inf")
     for t in (x, x[:, :5], x[:, 1:], x[::2], torch.randn(3, 49152, generator=gen)):
         assert torch.equal(ops.argmax(t), t.argmax(dim=-1)), t.shape
+
+
+def check_native_logprobs_match_torch(vocab: int = 49152) -> None:
+    """The native logprobs (``ops.logprobs_rows``) against log_softmax, gather, count and topk:
+    rows picked in any order and repeated, k from 0 to 20, logits of several scales, a row's
+    chosen token anywhere in its ranking, and ties (the lower token id first; a token tied with
+    the chosen one is not above it)."""
+    from pagedllm.sampler.sampler import gather_logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(10, vocab, generator=gen) * torch.tensor([0.5, 1, 2, 4, 8, 1, 1, 3, 0.1, 20])[:, None]
+    logits[5, [3, 9, 40]] = 30.0  # a three-way tie at the top
+    logits[6, [100, 7]] = float(logits[6, 50])  # two tokens tied with the chosen one
+    rows = torch.tensor([9, 0, 5, 5, 6, 3, 2, 8, 1, 7, 4])
+    ids = torch.randint(0, vocab, (len(rows),), generator=gen)
+    ids[2], ids[3], ids[4] = 40, 3, 50
+    ref = logits[rows].log_softmax(dim=-1)
+    want = ref.gather(1, ids[:, None])[:, 0]
+    distinct = [i for i in range(len(rows)) if int(rows[i]) != 5]  # torch.topk orders ties its own way
+    for k in (0, 1, 5, 20):
+        lp, rank, top_ids, top_lp = ops.logprobs_rows(logits, rows, ids, k)
+        torch.testing.assert_close(lp, want, rtol=1e-6, atol=2e-6)  # an ulp or two
+        assert rank.tolist() == ((ref > want[:, None]).sum(dim=-1) + 1).tolist()
+        ref_top = ref.topk(k, dim=-1)
+        torch.testing.assert_close(top_lp, ref_top.values, rtol=1e-6, atol=2e-6)
+        assert top_ids[distinct].tolist() == ref_top.indices[distinct].tolist()
+        if k >= 3:
+            assert top_ids[2, :3].tolist() == [3, 9, 40]
+    assert rank[2].item() == rank[3].item() == 1 and rank[4].item() == 1 + int((logits[6] > logits[6, 50]).sum())
+    # Through gather_logprobs, natively and in torch: the same entries.
+    ks = [2, None, 0, 5, 1, None, 3, 2, 2, 20, 4]
+    native = gather_logprobs(logits, ids, ks, rows.tolist())
+    with ops.torch_only():
+        torch_entries = gather_logprobs(logits, ids, ks, rows.tolist())
+    for a, b, row in zip(native, torch_entries, rows.tolist()):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.token_rank == b.token_rank and a.token_logprob == pytest.approx(b.token_logprob, rel=1e-6, abs=2e-6)
+            assert len(a.top_ids) == len(b.top_ids)
+            if row != 5:
+                assert a.top_ids == b.top_ids
+            np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, rtol=1e-6, atol=2e-6)
+
+
+def test_native_logprobs_match_torch():
+    if not ops.native_available():
+        pytest.skip("no native kernels here (no C++ compiler)")
+    check_native_logprobs_match_torch()
