@@ -21,7 +21,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "600", "--max-model-len"
 FAULT_TOKEN = 4242  # a prompt containing it makes the model step raise (request_token rule)
 DEATH_TOKEN = 4343  # a prompt containing it raises outside any request's work (engine_token rule)
 NORMAL_PROMPTS = [f"Normal stream {i}: once upon a time" for i in range(8)]
-NORMAL_TOKENS = 160
+NORMAL_TOKENS = 480  # long enough to outlast the hostile requests (at 160 they ended 0.1 s after them)
 
 
 def _nan_body(model: str, field: str, literal: str) -> bytes:
