@@ -26,11 +26,12 @@ def add_workload_args(p: argparse.ArgumentParser, default: str | None = None) ->
 
 
 # The sampling flags and their values in a greedy run.
-GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+          "logprobs": None}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """Sampled runs: the same parameters for every request, request i seeded with i."""
+    """Sampled runs (and logprobs): the same parameters for every request, request i seeded with i."""
     p.add_argument("--temperature", type=float, default=GREEDY["temperature"],
                    help="every request's temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=GREEDY["top_p"], help="every request's top_p (default: %(default)s)")
@@ -39,10 +40,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="every request's presence penalty")
     p.add_argument("--frequency-penalty", type=float, default=GREEDY["frequency_penalty"],
                    help="every request's frequency penalty")
+    p.add_argument("--logprobs", type=int, default=GREEDY["logprobs"],
+                   help="every request asks for its tokens' log-probabilities and this many top ones")
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
-    """The sampling flags that differ from greedy decoding's values (empty for a greedy run)."""
+    """The sampling flags that differ from plain greedy decoding's values (empty for such a run)."""
     return {k: getattr(args, k) for k, greedy in GREEDY.items() if getattr(args, k) != greedy}
 
 

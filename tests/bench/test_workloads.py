@@ -58,6 +58,9 @@ def test_sampled_throughput_runs_seed_each_request_and_compare_with_no_peer(monk
     assert sampling == {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.5}
     p = request_params(sampling, 16, 5)
     assert (p.temperature, p.top_p, p.presence_penalty, p.seed, p.max_tokens) == (0.8, 0.95, 0.5, 5, 16)
+    assert p.logprobs is None
+    logprobs = sampling_from_args(_throughput_args(["--logprobs", "5"]))
+    assert logprobs == {"logprobs": 5} and request_params(logprobs, 4, 0).logprobs == 5  # greedy, with logprobs
     seen = {}
     monkeypatch.setattr(throughput, "run_pagedllm", lambda w, kw, sampling=None: seen.update(sampling=sampling)
                         or {"engine": "pagedllm", **throughput._rates(w, elapsed=1.0)})  # fmt: skip
