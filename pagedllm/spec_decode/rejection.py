@@ -69,9 +69,10 @@ def verify_sampled(
     u = torch.zeros(masked.shape[0], dtype=torch.float64)
     for draft, start in zip(drafts, starts):
         g = batch.generators[start] or sampler.generator
-        u[start : start + len(draft) + 1] = torch.rand(len(draft) + 1, generator=g, dtype=torch.float64)
+        u[start : start + len(draft) + 1] = torch.rand(len(draft) + 1, generator=g, dtype=torch.float64,
+                                                       device=g.device).cpu()  # fmt: skip
     if not ops.native_rows(masked):
-        probs = sampler.probs(masked, batch)
+        probs, u = sampler.probs(masked, batch), u.to(masked.device)
         return [accept_sampled(d, probs[s : s + len(d) + 1], u[s : s + len(d) + 1]) for d, s in zip(drafts, starts)]
     draft_rows = torch.full((masked.shape[0],), -1, dtype=torch.int64)
     for draft, start in zip(drafts, starts):
