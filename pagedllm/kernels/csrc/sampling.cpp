@@ -359,10 +359,11 @@ double exp_sum(const float* x, int64_t n, float m) {
 #ifdef PAGEDLLM_AVX2
     const __m256 vm = _mm256_set1_ps(m);
     constexpr int64_t CHUNK = 512;  // float lanes for a chunk, then the chunk's sum in float64
-    for (; j + 8 <= n;) {
+    const int64_t vec_end = n - n % 8;
+    for (; j < vec_end;) {
         __m256 acc = _mm256_setzero_ps();
-        const int64_t end = std::min(n - (n - j) % 8, j + CHUNK);
-        for (; j < end; j += 8) acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)));
+        for (const int64_t end = std::min(vec_end, j + CHUNK); j < end; j += 8)
+            acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)));
         total += double(hsum(acc));
     }
 #endif
