@@ -141,14 +141,15 @@ def _build(compiler: str, flags: list[str], out: Path) -> None:
         os.replace(Path(work) / out.name, out)
 
 
-def library_path(march: str = "native") -> Path:
+def library_path(march: str = "native", defines: tuple[str, ...] = ()) -> Path:
     """The library built for ``-march=march`` (built now unless cached), without loading it:
     a library for an instruction set this CPU lacks can still be built and inspected.
-    Raises RuntimeError when it cannot be built."""
+    ``defines``: preprocessor macros for test builds (``PAGEDLLM_AMX_EMULATE``: the AMX path
+    over a scalar model of its instructions). Raises RuntimeError when it cannot be built."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
-    flags = [f"-march={march}", *FLAGS]
+    flags = [f"-march={march}", *FLAGS, *(f"-D{d}" for d in defines)]
     if os.environ.get("PAGEDLLM_KERNEL_DEBUG", "0") == "1":  # every index checked in the kernels
         flags.append("-DPAGEDLLM_DEBUG")
     code = b"".join(f.name.encode() + f.read_bytes() for f in [*sources(), *headers()])
@@ -160,17 +161,18 @@ def library_path(march: str = "native") -> Path:
     return path
 
 
-def build_library(march: str = "native") -> ctypes.CDLL:
+def build_library(march: str = "native", defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Build (or find in the cache) and load the library for ``-march=march``.
 
     ``native`` is what the engine uses: the compiler reads this CPU's features, so the AVX-512
     paths are compiled in where the CPU has AVX-512, the AVX2 ones where it has AVX2, else the
     portable ones (``pagedllm_kernels_isa()`` says which). Tests also build ``x86-64`` and
-    ``haswell`` to run the other paths. Raises RuntimeError/OSError when it cannot.
+    ``haswell`` to run the other paths, and ``native`` with ``defines`` for the emulated AMX
+    path. Raises RuntimeError/OSError when it cannot.
     """
     import torch  # noqa: F401  (its OpenMP runtime must be loaded before our library)
 
-    lib = ctypes.CDLL(str(library_path(march)))
+    lib = ctypes.CDLL(str(library_path(march, defines)))
     for name, (restype, argtypes) in full_c_api().items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes

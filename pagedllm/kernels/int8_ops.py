@@ -17,9 +17,17 @@ def _lib():
 
 
 def isa() -> str | None:
-    """The integer instructions the kernel uses ("avx512vnni", "avx2", "generic"), None without it."""
+    """The integer instructions the kernel uses ("amx-int8" for steps of 16 rows or more, else
+    "avx512vnni", "avx2", "generic"), None without it."""
     lib = _lib()
     return None if lib is None else lib.int8_gemm_isa().decode()
+
+
+def use_amx(enabled: bool) -> bool:
+    """Let (or stop) steps of 16 rows or more use the AMX tiles; True when they will. Their
+    outputs have the same bits as the VNNI tiles' (tests compare the two in one process)."""
+    lib = _lib()
+    return lib is not None and bool(lib.int8_gemm_use_amx(int(enabled)))
 
 
 def quantize(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,8 +4,10 @@ activations x Q4_0/Q4_1/Q8_0 int8 panels, against its twin (reference.int8_linea
 The kernel's block sums are exact integers; what it rounds is the fp32 scaling of each block
 (cvt, x dw, fma with dx: ~3 roundings of a block's term) and the running sum over the K/32
 blocks. So |kernel - twin| <= (K/32 + 3) * 2^-24 * sum_k |x_k w_k| per output, up to second-order
-terms; the tests allow twice that. Every build the CPU can run: native (AVX512-VNNI here),
-haswell (AVX2: vpmaddubsw) and x86-64 (scalar).
+terms; the tests allow twice that. Every build the CPU can run: native (AMX or AVX512-VNNI
+where the CPU has them), haswell (AVX2: vpmaddubsw) and x86-64 (scalar). The AMX path also runs
+on an AVX512-VNNI CPU over a scalar model of its tile instructions (PAGEDLLM_AMX_EMULATE), and
+must give the VNNI tiles' bits; on an AMX CPU the real instructions are held to the same.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _cpu_flags() -> set[str]:
 
 
 # build -> (expected kernel ISA names, CPU flags it needs)
-BUILDS = {"native": (("avx512vnni", "avx2", "generic"), set()), "haswell": (("avx2",), {"avx2", "fma", "f16c", "bmi2"}),
+BUILDS = {"native": (("amx-int8", "avx512vnni", "avx2", "generic"), set()), "haswell": (("avx2",), {"avx2", "fma", "f16c", "bmi2"}),
           "x86-64": (("generic",), set())}  # fmt: skip
 
 
@@ -155,3 +157,63 @@ def test_wide_mode_is_256_times_closer_to_the_exact_product():
     narrow = (int8_ops.linear(x, panels, "Q4_1", 64, bits=8).double() - exact).abs()
     assert (wide <= bound).all()
     assert float(wide.mean()) < float(narrow.mean()) / 50
+
+
+AMX_NEEDS = {"avx512f", "avx512bw", "avx512_vnni"}  # the emulated AMX path's own instructions
+
+
+def _amx_libraries():
+    """(name, library) of each AMX path this CPU runs: the emulated one wherever it has
+    AVX512-VNNI, and the native build's real tiles where the CPU has AMX."""
+    libs = []
+    if AMX_NEEDS <= _cpu_flags():
+        libs.append(("emulated", build_library("native", ("PAGEDLLM_AMX_EMULATE",))))
+    if {"amx_tile", "amx_int8"} <= _cpu_flags():
+        libs.append(("native", _library("native")))
+    return libs
+
+
+@pytest.mark.parametrize("which", ["emulated", "native"])
+def test_amx_tiles_give_the_vnni_tiles_bits(which, monkeypatch):
+    """Rows in whole 16-row tiles go through AMX, the rest through the VNNI tiles; a row's
+    outputs must be bit for bit what the VNNI tiles give it alone (batch invariance)."""
+    libs = dict(_amx_libraries())
+    if which not in libs:
+        need = AMX_NEEDS if which == "emulated" else {"amx_tile", "amx_int8"}
+        pytest.skip(f"this CPU lacks {sorted(need - _cpu_flags())} for the {which} AMX path")
+    monkeypatch.setattr(ops, "load_kernels", lambda: libs[which])
+    try:
+        assert int8_ops.use_amx(True)
+        assert int8_ops.isa() == ("amx-int8-emulated" if which == "emulated" else "amx-int8")
+        for qtype in TYPES:
+            for n, k in [(45, 576), (32, 1536)]:  # panel pairs and a single last panel; two K
+                _, _, panels = _weight(qtype, n, k, seed=n + k)
+                x = torch.randn(300, k, generator=torch.Generator().manual_seed(k))
+                x[0, :32] *= 1e3
+                for bits in (8, 16):
+                    for m in (16, 20, 33, 64, 300):  # 300: chunks of 128, 128 and 44 rows
+                        int8_ops.use_amx(True)
+                        tiles = int8_ops.linear(x[:m], panels, qtype, n, bits=bits)
+                        int8_ops.use_amx(False)
+                        vnni = int8_ops.linear(x[:m], panels, qtype, n, bits=bits)
+                        alone = int8_ops.linear(x[m - 1 : m], panels, qtype, n, bits=bits)
+                        assert torch.equal(tiles, vnni), f"{qtype} {n}x{k} bits={bits} M={m}: AMX differs from VNNI"
+                        assert torch.equal(tiles[m - 1 :], alone)
+    finally:
+        int8_ops.use_amx(True)
+
+
+def test_amx_build_compiles():
+    """The real AMX path compiles and uses the tile instructions (-march=sapphirerapids), on any
+    CPU: the library is inspected, never loaded."""
+    import subprocess
+
+    from pagedllm.kernels.build import library_path
+
+    path = library_path(march="sapphirerapids")
+    code = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    for instr in ("ldtilecfg", "tileloadd", "tdpbsud", "tdpbssd", "tilestored", "tilerelease"):
+        assert instr in code, instr
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    assert "int8_gemm_use_amx" in exported.stdout
+    assert b"amx-int8\0" in path.read_bytes()

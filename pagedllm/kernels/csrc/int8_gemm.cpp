@@ -25,6 +25,8 @@
 // accumulator, which starts each block at -offset * sx: exact, no cancellation in fp32.
 //
 // Instruction sets, chosen at compile time (-march=native):
+// - AMX-INT8 where the compiler targets it and Linux grants the tile state (at run time): tile
+//   dot products for steps of 16 rows or more, the VNNI tiles for the rest (see "AMX-INT8").
 // - AVX512-VNNI: vpdpbusd (u8 x s8, 4 products summed into int32 lanes). Q4 nibbles are the
 //   unsigned operand as they are; Q8_0 quants are made unsigned by adding 128 (xor 0x80),
 //   whose term 128 * sx is the accumulator's start.
@@ -52,7 +54,11 @@
 
 #include "common.h"
 
+#include <atomic>
 #include <type_traits>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGEDLLM_I8_VNNI 1
@@ -61,6 +67,7 @@
 // C-API-BEGIN
 extern "C" {
 const char* int8_gemm_isa();
+int int8_gemm_use_amx(int32_t enabled);
 void int8_quantize_rows(int8_t* q, int8_t* q2, float* d, int32_t* s, const float* x, int64_t ldx, int64_t M,
                         int64_t K, int32_t act_bits, int nthreads);
 int int8_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const uint8_t* w, int32_t ggml_type, int64_t M,
@@ -454,6 +461,216 @@ void panel_rows(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, i
     }
 }
 
+// ------------------------------------------------------------------------------------------
+// AMX-INT8 (Sapphire Rapids and later): one tile instruction multiplies 16 rows of x's quants
+// (one block: 32 bytes a row) by one panel's block (8 rows of 64 bytes - the record layout
+// above is already the second operand's layout) into 16 x 16 int32 sums. The sums leave the
+// tile registers through memory and are scaled as the VNNI tile scales its own: the same int32
+// values (the true block sums; only the route differs), the same fp32 operations in the same
+// order, so an output has the same bits whichever path computed it - rows in whole 16-row
+// tiles take this path, the rest the VNNI tiles. x's quants are signed; Q4 nibbles, unpacked to
+// bytes once per panel and row chunk, are unsigned (TDPBSUD); Q8_0 quants are signed (TDPBSSD:
+// no +128, so the accumulator starts at the offset term alone).
+// Chosen at run time: compiled where the compiler targets AMX (-march=native on such a CPU)
+// and used once Linux grants the process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM).
+// PAGEDLLM_AMX_EMULATE builds the same code over a scalar model of the six tile instructions
+// it uses, so a CPU without AMX runs this path's layout and scaling against the VNNI tiles.
+#if defined(PAGEDLLM_I8_VNNI) && (defined(PAGEDLLM_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__AMX_INT8__)))
+#define PAGEDLLM_I8_AMX 1
+
+namespace amx {
+
+constexpr int ROWS = 16;  // rows of x per tile
+// Tile registers: 0, 1 the sums for the item's two panels; 2 x's quants (wide: the high
+// halves); 3, 4 the two panels' block; 5 the wide quants' low halves; 6, 7 their sums.
+struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+static_assert(sizeof(Config) == 64, "the tile configuration is 64 bytes");
+
+inline Config config() {
+    Config c{};
+    c.palette = 1;
+    auto set = [&c](int t, int rows, int colsb) { c.rows[t] = uint8_t(rows), c.colsb[t] = uint16_t(colsb); };
+    for (int t : {0, 1, 6, 7}) set(t, ROWS, 4 * COLS);  // int32 sums: 16 x 16
+    for (int t : {2, 5}) set(t, ROWS, QK);              // x: 16 rows x 32 quants
+    for (int t : {3, 4}) set(t, QK / 4, 4 * COLS);      // w: 8 groups of 4 k x 16 columns
+    return c;
+}
+
+#if defined(PAGEDLLM_AMX_EMULATE)
+// What the instructions do (Intel SDM, AMX): a tile is `rows` rows of `colsb` bytes; the dot
+// product adds, to int32 lane n of row m, the 4 byte products of dword k of a's row m with
+// dword n of b's row k, for every k < a.colsb / 4 (wrapping as the hardware's int32 adds).
+struct Tile { int rows = 0, colsb = 0; uint8_t data[16][64] = {}; };
+inline thread_local Tile tiles[8];
+inline void load_config(const Config& c) {
+    for (int t = 0; t < 8; t++) tiles[t] = Tile{c.rows[t], c.colsb[t]};
+}
+inline void release() {
+    for (Tile& t : tiles) t = Tile{};
+}
+inline void zero(int t) { std::memset(tiles[t].data, 0, sizeof tiles[t].data); }
+inline void load(int t, const void* p, int64_t stride) {
+    for (int r = 0; r < tiles[t].rows; r++) std::memcpy(tiles[t].data[r], static_cast<const uint8_t*>(p) + r * stride, tiles[t].colsb);
+}
+inline void store(int t, void* p, int64_t stride) {
+    for (int r = 0; r < tiles[t].rows; r++) std::memcpy(static_cast<uint8_t*>(p) + r * stride, tiles[t].data[r], tiles[t].colsb);
+}
+template <bool B_SIGNED>
+inline void dot(int ct, int at, int bt) {
+    Tile& c = tiles[ct];
+    const Tile &a = tiles[at], &b = tiles[bt];
+    for (int m = 0; m < c.rows; m++)
+        for (int n = 0; n < c.colsb / 4; n++) {
+            uint32_t acc;
+            std::memcpy(&acc, c.data[m] + 4 * n, 4);
+            for (int k = 0; k < a.colsb / 4; k++)
+                for (int i = 0; i < 4; i++) {
+                    const int x = int8_t(a.data[m][4 * k + i]);
+                    const int w = B_SIGNED ? int(int8_t(b.data[k][4 * n + i])) : int(b.data[k][4 * n + i]);
+                    acc += uint32_t(x * w);
+                }
+            std::memcpy(c.data[m] + 4 * n, &acc, 4);
+        }
+}
+#define PAGEDLLM_TILE_ZERO(t) amx::zero(t)
+#define PAGEDLLM_TILE_LOAD(t, p, stride) amx::load(t, p, stride)
+#define PAGEDLLM_TILE_STORE(t, p, stride) amx::store(t, p, stride)
+#define PAGEDLLM_TILE_DOT_SU(c, a, b) amx::dot<false>(c, a, b)
+#define PAGEDLLM_TILE_DOT_SS(c, a, b) amx::dot<true>(c, a, b)
+#else
+// The intrinsics name their tile registers by literal numbers and are asm statements that
+// do not tell the compiler they read or write memory: the barriers do.
+inline void load_config(const Config& c) { _tile_loadconfig(&c); }
+inline void release() { _tile_release(); }
+#define PAGEDLLM_TILE_ZERO(t) _tile_zero(t)
+#define PAGEDLLM_TILE_LOAD(t, p, stride) do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, p, stride); } while (0)
+#define PAGEDLLM_TILE_STORE(t, p, stride) do { _tile_stored(t, p, stride); __asm__ volatile("" ::: "memory"); } while (0)
+#define PAGEDLLM_TILE_DOT_SU(c, a, b) _tile_dpbsud(c, a, b)
+#define PAGEDLLM_TILE_DOT_SS(c, a, b) _tile_dpbssd(c, a, b)
+#endif
+
+// Whether the process may use the tile registers (asked once), and whether it should
+// (int8_gemm_use_amx: tests compare the two paths in one process).
+inline bool permitted() {
+#if defined(PAGEDLLM_AMX_EMULATE)
+    return true;
+#else
+    static const bool ok = [] {
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+#endif
+}
+inline std::atomic<bool> wanted{true};
+inline bool active() { return wanted.load(std::memory_order_relaxed) && permitted(); }
+
+}  // namespace amx
+
+// The int32 start of a block's sum: the offset term (see the file comment), without Q8_0's
+// +128 (TDPBSSD takes its quants signed).
+template <int32_t T> inline int32_t amx_start(int32_t sx) { return T == T_Q8_0 ? 0 : -OFFSET<T> * sx; }
+
+// 16 rows of x (from row m0) against NP (1 or 2) adjacent panels: `wq` holds each panel's
+// blocks as tile operands (nb x 512 bytes per panel, `wq_panel` apart; Q8_0: the records
+// themselves, RECORD apart). The outputs gather in `acc` (L1) block by block.
+template <int32_t T, bool WIDE, int NP>
+void amx_tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const uint8_t* panel, int64_t panel_bytes,
+              const uint8_t* wq, int64_t wq_panel, int64_t wq_block) {
+    alignas(64) float acc[amx::ROWS][NP * COLS] = {};
+    alignas(64) int32_t sums[2][NP][amx::ROWS][COLS];  // [x's quants or their high halves; low halves]
+    const int8_t* xq_rows = xq.q + m0 * xq.K;
+    const int8_t* xq2_rows = WIDE ? xq.q2 + m0 * xq.K : nullptr;
+    for (int64_t b = 0; b < xq.nb; b++) {
+        PAGEDLLM_TILE_ZERO(0);
+        PAGEDLLM_TILE_LOAD(2, xq_rows + b * QK, xq.K);
+        PAGEDLLM_TILE_LOAD(3, wq + b * wq_block, 4 * COLS);
+        if constexpr (T == T_Q8_0) PAGEDLLM_TILE_DOT_SS(0, 2, 3);
+        else PAGEDLLM_TILE_DOT_SU(0, 2, 3);
+        PAGEDLLM_TILE_STORE(0, sums[0][0], 4 * COLS);
+        if constexpr (NP == 2) {
+            PAGEDLLM_TILE_ZERO(1);
+            PAGEDLLM_TILE_LOAD(4, wq + wq_panel + b * wq_block, 4 * COLS);
+            if constexpr (T == T_Q8_0) PAGEDLLM_TILE_DOT_SS(1, 2, 4);
+            else PAGEDLLM_TILE_DOT_SU(1, 2, 4);
+            PAGEDLLM_TILE_STORE(1, sums[0][1], 4 * COLS);
+        }
+        if constexpr (WIDE) {
+            PAGEDLLM_TILE_ZERO(6);
+            PAGEDLLM_TILE_LOAD(5, xq2_rows + b * QK, xq.K);
+            if constexpr (T == T_Q8_0) PAGEDLLM_TILE_DOT_SS(6, 5, 3);
+            else PAGEDLLM_TILE_DOT_SU(6, 5, 3);
+            PAGEDLLM_TILE_STORE(6, sums[1][0], 4 * COLS);
+            if constexpr (NP == 2) {
+                PAGEDLLM_TILE_ZERO(7);
+                if constexpr (T == T_Q8_0) PAGEDLLM_TILE_DOT_SS(7, 5, 4);
+                else PAGEDLLM_TILE_DOT_SU(7, 5, 4);
+                PAGEDLLM_TILE_STORE(7, sums[1][1], 4 * COLS);
+            }
+        }
+        // The VNNI tile's scaling, element for element (see `tile` above).
+        for (int j = 0; j < NP; j++) {
+            const uint8_t* rec = panel + j * panel_bytes + b * RECORD<T>;
+            const __m512 dw = load_f16x16(rec);
+            const __m512 mw = T == T_Q4_1 ? load_f16x16(rec + 32) : _mm512_setzero_ps();
+            for (int i = 0; i < amx::ROWS; i++) {
+                const int64_t m = m0 + i;
+                const __m512i start = _mm512_set1_epi32(amx_start<T>(xq.s[m * xq.nb + b]));
+                __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[WIDE ? 1 : 0][j][i]), start);
+                if constexpr (WIDE)
+                    isum = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(sums[0][j][i]), _mm512_set1_epi32(254)), isum);
+                const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dw);
+                __m512 a = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[m * xq.nb + b]), _mm512_load_ps(acc[i] + j * COLS));
+                if constexpr (T == T_Q4_1) a = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m, b)), a);
+                _mm512_store_ps(acc[i] + j * COLS, a);
+            }
+        }
+    }
+    for (int i = 0; i < amx::ROWS; i++)
+        for (int j = 0; j < NP; j++) store_row(y + (m0 + i) * ldy + j * COLS, acc[i] + j * COLS, j == NP - 1 ? cols : COLS);
+}
+
+// The whole 16-row tiles of rows m0..m0+rows-1 against the item's np panels; returns how many
+// rows that was (the caller's VNNI tiles take the rest). Q4 panels are unpacked first, to one
+// byte per quant in the tile operand's layout: group g of a block is row g (chunk g % 4's low
+// nibbles for g < 4, its high ones after).
+template <int32_t T, bool WIDE>
+int64_t amx_panel_rows(int np, float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, int64_t rows,
+                       const uint8_t* panel, int64_t panel_bytes) {
+    const int64_t whole = rows / amx::ROWS * amx::ROWS;
+    if (whole == 0) return 0;
+    const uint8_t* wq = panel + HEADER<T>;
+    int64_t wq_panel = panel_bytes, wq_block = RECORD<T>;
+    if constexpr (T != T_Q8_0) {
+        thread_local std::vector<uint8_t> unpacked;
+        wq_block = QK / 4 * 4 * COLS;  // 512 bytes
+        wq_panel = xq.nb * wq_block;
+        if (int64_t(unpacked.size()) < np * wq_panel) unpacked.resize(np * wq_panel);
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int j = 0; j < np; j++)
+            for (int64_t b = 0; b < xq.nb; b++) {
+                const uint8_t* qs = panel + j * panel_bytes + b * RECORD<T> + HEADER<T>;
+                uint8_t* out = unpacked.data() + j * wq_panel + b * wq_block;
+                for (int c = 0; c < 4; c++) {
+                    const __m512i v = _mm512_loadu_si512(qs + 64 * c);
+                    _mm512_storeu_si512(out + 64 * c, _mm512_and_si512(v, low));
+                    _mm512_storeu_si512(out + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                }
+            }
+        wq = unpacked.data();
+    }
+    for (int64_t m = m0; m < m0 + whole; m += amx::ROWS) {
+        if (np == 2) amx_tile<T, WIDE, 2>(y, ldy, cols, xq, m, panel, panel_bytes, wq, wq_panel, wq_block);
+        else amx_tile<T, WIDE, 1>(y, ldy, cols, xq, m, panel, panel_bytes, wq, wq_panel, wq_block);
+    }
+    return whole;
+}
+#endif
+
 // Rows of x per pass over the panels: the chunk's quants (M_CHUNK x K bytes, <= 192 KB for
 // K = 1536; twice that when wide) stay in L2 while the panels pass over them.
 constexpr int64_t M_CHUNK = 128;
@@ -464,18 +681,35 @@ void gemm(float* y, int64_t ldy, const QuantX& xq, const uint8_t* w, int64_t M, 
     const int64_t num_panels = (N + COLS - 1) / COLS;
     const int64_t panel_bytes = xq.nb * RECORD<T>;
     const int64_t items = (num_panels + NP_MAX - 1) / NP_MAX;
+#ifdef PAGEDLLM_I8_AMX
+    const bool amx = M >= amx::ROWS && amx::active();
+    const amx::Config config = amx::config();
+#endif
 #pragma omp parallel num_threads(nthreads)
-    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
-        const int64_t rows = std::min(M_CHUNK, M - m0);
+    {
+#ifdef PAGEDLLM_I8_AMX
+        if (amx) amx::load_config(config);  // each thread's tile registers
+#endif
+        for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+            const int64_t rows = std::min(M_CHUNK, M - m0);
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t p = it * NP_MAX, np = std::min<int64_t>(NP_MAX, num_panels - p);
-            const int cols = int(std::min<int64_t>(COLS, N - (p + np - 1) * COLS));  // of the item's last panel
-            if (np == 2)
-                panel_rows<T, WIDE, NP_MAX>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes, panel_bytes);
-            else
-                panel_rows<T, WIDE, 1>(y + p * COLS, ldy, cols, xq, m0, rows, w + p * panel_bytes, panel_bytes);
+            for (int64_t it = 0; it < items; it++) {
+                const int64_t p = it * NP_MAX, np = std::min<int64_t>(NP_MAX, num_panels - p);
+                const int cols = int(std::min<int64_t>(COLS, N - (p + np - 1) * COLS));  // of the item's last panel
+                float* yp = y + p * COLS;
+                const uint8_t* wp = w + p * panel_bytes;
+                int64_t done = 0;  // rows taken by AMX tiles
+#ifdef PAGEDLLM_I8_AMX
+                if (amx) done = amx_panel_rows<T, WIDE>(int(np), yp, ldy, cols, xq, m0, rows, wp, panel_bytes);
+#endif
+                if (done == rows) continue;
+                if (np == 2) panel_rows<T, WIDE, NP_MAX>(yp, ldy, cols, xq, m0 + done, rows - done, wp, panel_bytes);
+                else panel_rows<T, WIDE, 1>(yp, ldy, cols, xq, m0 + done, rows - done, wp, panel_bytes);
+            }
         }
+#ifdef PAGEDLLM_I8_AMX
+        if (amx) amx::release();
+#endif
     }
 }
 
@@ -483,12 +717,29 @@ void gemm(float* y, int64_t ldy, const QuantX& xq, const uint8_t* w, int64_t M, 
 
 // Which integer dot-product instructions this build uses, for logs and tests.
 const char* int8_gemm_isa() {
+#if defined(PAGEDLLM_I8_AMX) && defined(PAGEDLLM_AMX_EMULATE)
+    if (amx::active()) return "amx-int8-emulated";
+#elif defined(PAGEDLLM_I8_AMX)
+    if (amx::active()) return "amx-int8";
+#endif
 #if defined(PAGEDLLM_I8_VNNI)
     return "avx512vnni";
 #elif defined(PAGEDLLM_AVX2)
     return "avx2";
 #else
     return "generic";
+#endif
+}
+
+// Whether steps of 16 rows or more use the AMX tiles where this build and the OS allow them
+// (enabled: 1 yes, 0 no; the default is yes); returns 1 when they will be used.
+int int8_gemm_use_amx(int32_t enabled) {
+#if defined(PAGEDLLM_I8_AMX)
+    amx::wanted.store(enabled != 0);
+    return amx::active() ? 1 : 0;
+#else
+    (void)enabled;
+    return 0;
 #endif
 }
 
