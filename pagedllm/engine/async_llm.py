@@ -32,6 +32,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
+from pagedllm.memory import trim_heap
 from pagedllm.outputs import RequestOutput
 from pagedllm.threads import configure_threads, single_thread
 from pagedllm.sampling_params import SamplingParams
@@ -279,6 +280,8 @@ class AsyncLLM(RequestStreams):
                 self._wakeup.clear()
                 continue
             self._deliver(engine.step())
+            if not engine.has_unfinished_requests():  # idle again: the steps' freed buffers go back
+                trim_heap()
 
     def _die(self, cause: BaseException) -> None:
         error = cause if isinstance(cause, EngineDeadError) else EngineDeadError(f"{type(cause).__name__}: {cause}")

@@ -18,6 +18,7 @@ import torch
 from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
 from pagedllm.kernels.ops import native_available
 from pagedllm.kv_cache.groups import KVCacheLayout
+from pagedllm.memory import drop_file_pages, trim_heap, weight_files
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.registry import model_class
@@ -130,10 +131,14 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
         moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer
     if moved:
         logger.info("GGUF blocks for small steps: %.1f MiB in one huge-page buffer, in layer order", moved / (1 << 20))
-    if not tokenizer:
-        return LoadedModel(source, arch, model, None, frozenset(arch.eos_token_ids), max_model_len, times, placement.dense)
-    with times.phase("tokenizer"):
-        tok, eos = load_tokenizer_and_eos(source, arch)
+    tok, eos = None, frozenset(arch.eos_token_ids)
+    if tokenizer:
+        with times.phase("tokenizer"):
+            tok, eos = load_tokenizer_and_eos(source, arch)
+    # What loading left resident for nothing (memory.py): the weight files' pages it read and
+    # the heap's freed copies.
+    drop_file_pages(weight_files(source.path))
+    trim_heap()
     return LoadedModel(source, arch, model, tok, eos, max_model_len, times, placement.dense)
 
 
