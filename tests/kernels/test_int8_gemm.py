@@ -183,7 +183,10 @@ def test_amx_tiles_give_the_vnni_tiles_bits(which, monkeypatch):
         pytest.skip(f"this CPU lacks {sorted(need - _cpu_flags())} for the {which} AMX path")
     monkeypatch.setattr(ops, "load_kernels", lambda: libs[which])
     try:
-        assert int8_ops.use_amx(True)
+        granted = int8_ops.use_amx(True)
+        if which == "native" and not granted:
+            pytest.skip("this CPU has AMX, but Linux did not grant the process the tile state (arch_prctl)")
+        assert granted
         assert int8_ops.isa() == ("amx-int8-emulated" if which == "emulated" else "amx-int8")
         for qtype in TYPES:
             for n, k in [(45, 576), (32, 1536)]:  # panel pairs and a single last panel; two K
