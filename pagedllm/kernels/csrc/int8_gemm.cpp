@@ -542,9 +542,14 @@ inline void dot(int ct, int at, int bt) {
 #define PAGEDLLM_TILE_DOT_SU(c, a, b) amx::dot<false>(c, a, b)
 #define PAGEDLLM_TILE_DOT_SS(c, a, b) amx::dot<true>(c, a, b)
 #else
-// The intrinsics name their tile registers by literal numbers and are asm statements that
-// do not tell the compiler they read or write memory: the barriers do.
-inline void load_config(const Config& c) { _tile_loadconfig(&c); }
+// The intrinsics name their tile registers by literal numbers and are asm statements; GCC 12's
+// tile load does not tell the compiler it reads memory, and its config load names only the
+// config's first 8 bytes: the barriers make every earlier store visible to them (the one after
+// a tile store is for compilers whose store lacks the memory clobber GCC 12 gives it).
+inline void load_config(const Config& c) {
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+}
 inline void release() { _tile_release(); }
 #define PAGEDLLM_TILE_ZERO(t) _tile_zero(t)
 #define PAGEDLLM_TILE_LOAD(t, p, stride) do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, p, stride); } while (0)
