@@ -196,6 +196,17 @@ inline __m512i bcast4_512(const int8_t* p) { return _mm512_set1_epi32(*reinterpr
 // A panel record's 16 fp16 scales, widened (exactly) to fp32.
 inline __m512 load_f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// acc + row m's block b of 16 outputs, from their int32 sums isum and the panel record's
+// scales dw (and, Q4_1, minima mw): the fp32 operations of every AVX-512 tile (VNNI and AMX),
+// in one order, so the two give the same bits.
+template <int32_t T>
+inline __m512 add_block(__m512 acc, __m512i isum, __m512 dw, __m512 mw, const QuantX& xq, int64_t m, int64_t b) {
+    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dw);
+    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[m * xq.nb + b]), acc);
+    if constexpr (T == T_Q4_1) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m, b)), acc);
+    return acc;
+}
+
 // MR rows of x (from row m0) against NP adjacent panels (16 * NP columns of y; the last panel
 // has `cols` valid ones): each broadcast quadruple of x meets NP panels' weights, and MR is a
 // compile-time count so the accumulators (int32 for the block, fp32 for the row) stay in
@@ -284,17 +295,9 @@ void tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, const u
         }
         for (int j = 0; j < NP; j++) {
             const __m512 dw = load_f16x16(rec[j]);
+            const __m512 mw = T == T_Q4_1 ? load_f16x16(rec[j] + 32) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[i][j]), dw);
-                acc[i][j] = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[(m0 + i) * xq.nb + b]), acc[i][j]);
-            }
-            if constexpr (T == T_Q4_1) {
-                const __m512 mw = load_f16x16(rec[j] + 32);
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++)
-                    acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m0 + i, b)), acc[i][j]);
-            }
+            for (int i = 0; i < MR; i++) acc[i][j] = add_block<T>(acc[i][j], s[i][j], dw, mw, xq, m0 + i, b);
         }
     }
     const __mmask16 last = __mmask16((1u << cols) - 1);
@@ -617,7 +620,7 @@ void amx_tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, con
                 PAGEDLLM_TILE_STORE(7, sums[1][1], 4 * COLS);
             }
         }
-        // The VNNI tile's scaling, element for element (see `tile` above).
+        // The VNNI tile's scaling (add_block).
         for (int j = 0; j < NP; j++) {
             const uint8_t* rec = panel + j * panel_bytes + b * RECORD<T>;
             const __m512 dw = load_f16x16(rec);
@@ -628,10 +631,7 @@ void amx_tile(float* y, int64_t ldy, int cols, const QuantX& xq, int64_t m0, con
                 __m512i isum = _mm512_add_epi32(_mm512_load_si512(sums[WIDE ? 1 : 0][j][i]), start);
                 if constexpr (WIDE)
                     isum = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(sums[0][j][i]), _mm512_set1_epi32(254)), isum);
-                const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dw);
-                __m512 a = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.d[m * xq.nb + b]), _mm512_load_ps(acc[i] + j * COLS));
-                if constexpr (T == T_Q4_1) a = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx_times_sx(xq, m, b)), a);
-                _mm512_store_ps(acc[i] + j * COLS, a);
+                _mm512_store_ps(acc[i] + j * COLS, add_block<T>(_mm512_load_ps(acc[i] + j * COLS), isum, dw, mw, xq, m, b));
             }
         }
     }
