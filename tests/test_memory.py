@@ -9,13 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pagedllm.executor.worker import rss_bytes
 from pagedllm.memory import drop_file_pages, trim_heap
 
 linux_glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim and Linux's madvise")
-
-
-def _rss_mib() -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
 
 
 def _mapped_rss_mib(path: Path) -> float:
@@ -50,10 +47,10 @@ def test_trim_heap_returns_freed_heap_memory():
     for c in chunks:
         c[::4096] = b"\1" * len(c[::4096])
     pin = bytearray(100_000)  # keeps the freed chunks below the heap's top
-    before = _rss_mib()
+    before = rss_bytes() / 2**20
     del chunks
     assert trim_heap()
-    assert before - _rss_mib() > 50
+    assert before - rss_bytes() / 2**20 > 50
     del pin
 
 
