@@ -73,6 +73,27 @@ def default_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def _hf_default_model_once():
+    """transformers' own load of the default model's GGUF (the oracle), once per session: it
+    takes ~15 s (reading the file's metadata), and four modules compare against it."""
+    import transformers
+
+    from pagedllm.model.loader import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_default_model(_hf_default_model_once):
+    """The oracle model, a private copy per module (a test may wrap or patch it, as PEFT does)."""
+    import copy
+
+    return copy.deepcopy(_hf_default_model_once)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_tok(tmp_path_factory, default_tokenizer) -> Path:
     """A tiny random Llama with the real SmolLM2 tokenizer (49,152 tokens): fast, with text."""
     path = save_tiny_model(tmp_path_factory.mktemp("tiny-llama-tok"), vocab_size=49152, seed=3)

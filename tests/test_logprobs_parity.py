@@ -7,7 +7,6 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.output_processor import RequestOutputKind
-from pagedllm.model.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +16,8 @@ def llm() -> LLM:
     return LLM(dtype="float32", num_kv_blocks=256, log_stats_interval=1e9)
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    import transformers
-
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-
-
-def test_logprobs_match_transformers_log_softmax(llm, hf_model):
+def test_logprobs_match_transformers_log_softmax(llm, hf_default_model):
+    hf_model = hf_default_model
     tok = llm.get_tokenizer()
     prompts = [
         "The capital of France is",

@@ -37,14 +37,8 @@ def prompts(default_tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def oracle(prompts):
-    import transformers
-
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return [oracle_generate(model, p, MAX_TOKENS) for p in prompts]
+def oracle(prompts, hf_default_model):
+    return [oracle_generate(hf_default_model, p, MAX_TOKENS) for p in prompts]
 
 
 CONFIGS = {

@@ -129,14 +129,8 @@ def test_bad_beam_params(tiny):
 
 
 @pytest.fixture(scope="module")
-def real():
-    import transformers
-
-    from pagedllm.model.loader import default_model_path
-
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return LLM(num_kv_blocks=400, log_stats_interval=0), hf
+def real(hf_default_model):
+    return LLM(num_kv_blocks=400, log_stats_interval=0), hf_default_model
 
 
 @pytest.mark.slow

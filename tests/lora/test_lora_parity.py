@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.model.loader import default_model_path
 from tests.lora.adapters import make_peft_adapter
 from tests.parity import OracleResult, assert_greedy_parity
 from tests.test_parity import prompts  # noqa: F401 (the parity prompts fixture)
@@ -31,11 +30,8 @@ ADAPTERS = {  # name: (rank, targets, rslora)
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    import transformers
-
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+def hf_model(hf_default_model):
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")
