@@ -173,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
         """``meta``: the step's metadata, or one per layer (its KV-cache group's block tables,
         when sliding layers have groups of their own: kv_cache/groups.py)."""
         # The residual stream; each norm adds the previous sublayer's output into it first.
-        residual = self.embed_tokens(input_ids)
+        # (forward() directly, as for every submodule below: see the comment there.)
+        residual = self.embed_tokens.forward(input_ids)
         metas = per_layer(meta, len(self.layers))
         if metas is None:
             stack = self.fused_stack.get(self, backend, kv_caches, input_ids.shape[0], self.lora_context)
