@@ -114,7 +114,9 @@ class SpeculativeConfig:
     model: str | None = None
     # n-gram (prompt lookup): match the last n tokens, n from max down to min, in the request's
     # own prompt + output; the tokens that followed the latest earlier match are the draft.
-    prompt_lookup_min: int = 1
+    # min 2: a lone repeated token ("the", ",") predicts little, and its rejected drafts made
+    # the draft-length policy stop drafting where longer matches would pay (docs/speculative_decoding.md).
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # No drafts while this many requests or more run: a big batch is compute-bound already,
     # verifying k extra tokens per request would cost more than it saves (vLLM's name).

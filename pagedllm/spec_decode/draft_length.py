@@ -16,7 +16,8 @@ costs what a one-token draft costs (its proposer's work plus a verified row), so
 with it: prompt lookup (a probe is one verified row, 0.21 of a step) probes after 5, 10, 20
 and every 32 steps; a drafter whose probe costs 0.76 of a step after 16, 32, 64 and every 76
 steps, which keeps probing near 1% of the work (the first probes of a short reply cost a little
-more).
+more). Prompt lookup asks the policy only at steps where the text offers a draft (a match), so
+a probe is never spent on a step with nothing to propose, and the waits count steps as usual.
 
 Everything here depends only on the request's own tokens, never on timing or the batch, so the
 same request drafts the same way on every run.
@@ -107,9 +108,17 @@ class DraftLengthPolicy:
 
     def length(self, s: _State) -> int:
         """How many tokens to draft for s now (it just sampled and may draft)."""
+        return 0 if self.waiting(s) else self.choose(s)
+
+    def waiting(self, s: _State) -> bool:
+        """Whether s sits this step out (a back-off after drafts that did not pay); counts the step."""
         if s.spec_skip > 0:
             s.spec_skip -= 1
-            return 0
+            return True
+        return False
+
+    def choose(self, s: _State) -> int:
+        """The draft length for s, which is not waiting: 0 .. k_max, or a 1-token probe."""
         if not self.adaptive:
             return self.k_max
         k = best_length(self.acceptance(s), self.k_max, self.cost)

@@ -92,25 +92,27 @@ class Proposer:
             for s, (position, rows) in zip(states, features):
                 if can_speculate(s.sampling_params, s.bad_words_token_ids):
                     self.drafter.observe(s.req_id, position, rows)
-        wanted = []
-        for i, (s, did) in enumerate(zip(states, sampled)):
-            if not did or not can_speculate(s.sampling_params, s.bad_words_token_ids):
-                continue
-            if len(s.output_token_ids) + 1 >= s.sampling_params.max_tokens:
-                continue  # no room for a draft before max_tokens
-            k = self.lengths.length(s)
-            if k > 0:
-                # At most what fits before max_tokens (the scheduler trims drafts the same way).
-                wanted.append((i, min(k, s.sampling_params.max_tokens - len(s.output_token_ids) - 1)))
         drafts: list[list[int]] = [[] for _ in states]
+        # Requests that may draft now, with the room left before max_tokens (the scheduler trims
+        # drafts the same way).
+        ready = [(i, s.sampling_params.max_tokens - len(s.output_token_ids) - 1) for i, (s, did) in enumerate(zip(states, sampled))
+                 if did and can_speculate(s.sampling_params, s.bad_words_token_ids)]  # fmt: skip
+        ready = [(i, room) for i, room in ready if room > 0 and not self.lengths.waiting(states[i])]
+        if self.drafter is None:
+            # Prompt lookup looks first (it is cheap) and asks the policy only where the text
+            # offers a draft: a request's probe then waits for a step with something to try.
+            found = self._ngram.propose([states[i].token_ids for i, _ in ready])
+            for (i, room), d in zip(ready, found):
+                if d:
+                    drafts[i] = d[: min(room, self.lengths.choose(states[i]))]
+                    states[i].spec_drafted = len(drafts[i])
+            return drafts
+        wanted = [(i, min(room, k)) for i, room in ready if (k := self.lengths.choose(states[i])) > 0]
         if not wanted:
             return drafts
         token_ids = [states[i].token_ids for i, _ in wanted]
-        if self.drafter is None:
-            found = [d[:k] for d, (_, k) in zip(self._ngram.propose(token_ids), wanted)]
-        else:
-            rows = hidden[[i for i, _ in wanted]] if self.needs_hidden else None
-            found = self.drafter.propose([states[i].req_id for i, _ in wanted], token_ids, [k for _, k in wanted], rows)
+        rows = hidden[[i for i, _ in wanted]] if self.needs_hidden else None
+        found = self.drafter.propose([states[i].req_id for i, _ in wanted], token_ids, [k for _, k in wanted], rows)
         for (i, _), d in zip(wanted, found):
             drafts[i] = d
             states[i].spec_drafted = len(d)

@@ -137,6 +137,24 @@ def test_probes_are_rarer_the_more_a_probe_costs():
         assert len(steps) * cost / 400 < 0.03
 
 
+def test_a_prompt_lookup_probe_waits_for_a_step_with_a_match():
+    """A request backing off probes at the first step after its wait where the text offers a
+    draft: steps with nothing to propose neither spend the probe nor lengthen the wait."""
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2))
+    s = _State([1, 2, 3, 1, 2])  # [1, 2] occurred before: a draft is on offer
+    s.spec_misses = 50.0  # a rate far too low to draft: only probes
+    assert proposer.propose([s], [True], [None])[0] == [3]  # the first probe, then a wait of 5
+    s.token_ids = [1, 2, 3, 1, 2, 8, 9]  # from here no 2-token suffix repeats
+    accepted = 0  # the probe was rejected
+    for _ in range(12):  # the wait runs out, and later steps find nothing to probe with
+        assert proposer.propose([s], [True], [accepted])[0] == []
+        accepted = None
+    assert s.spec_skip == 0 and s.spec_backoff == 5  # the next wait is not doubled by empty steps
+    s.token_ids = [1, 2, 3, 1, 2, 8, 9, 1, 2]  # a match again: the postponed probe comes now
+    assert proposer.propose([s], [True], [None])[0] == [8]
+    assert s.spec_backoff == 10
+
+
 def test_model_based_drafts_get_the_chosen_length():
     class Drafter:
         def propose(self, req_ids, token_ids, limits, hidden=None):
