@@ -12,7 +12,7 @@ from pagedllm.config import SpeculativeConfig
 from pagedllm.kernels import ops
 from pagedllm.sampler.sampler import Sampler, SamplingBatch
 from pagedllm.spec_decode.draft_length import MIN_GAIN, VERIFY_COST_PER_TOKEN, DraftCost, best_length, expected_tokens
-from pagedllm.spec_decode.ngram import propose_ngram
+from pagedllm.spec_decode.ngram import MAX_CANDIDATES, propose_ngram, propose_ngram_reference
 from pagedllm.spec_decode.proposer import Proposer
 
 
@@ -29,6 +29,21 @@ def test_ngram_drafts_what_followed_the_latest_match_of_the_longest_suffix():
     assert ngram([7, 7]) == [7]  # what follows runs to the end of the sequence
     assert ngram([3, 1, 2, 3], n_min=2) == []  # only a 1-token match, below n_min
     assert ngram([9]) == []
+
+
+def test_ngram_walk_gives_the_reference_rule_s_drafts():
+    """The plain-Python walk against the literal vectorised rule: random sequences over small
+    vocabularies (many repeats), every n range, and long ones that make it hand over."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        ids = rng.integers(0, int(rng.choice([2, 3, 5, 40])), size=int(rng.integers(1, 60)))
+        k, n_min = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+        n_max = n_min + int(rng.integers(0, 4))
+        want = propose_ngram_reference(ids, k, n_min, n_max)
+        assert propose_ngram(ids.tolist(), k, n_min, n_max) == want, (ids.tolist(), k, n_min, n_max)
+    # The last token at more than MAX_CANDIDATES earlier places, none followed as at the end.
+    ids = [t for i in range(2 * MAX_CANDIDATES) for t in (7, 1000 + i)] + [5, 6, 7]
+    assert propose_ngram(ids, 3, 1, 4) == propose_ngram_reference(np.array(ids), 3, 1, 4) == [1000 + 2 * MAX_CANDIDATES - 1, 5, 6]
 
 
 class _State:
