@@ -246,56 +246,57 @@ class ModelRunner:
         else:
             lora_slots = self.lora.prepare_step([st.lora_request for st in states])
             order = sorted(range(len(sched)), key=lambda i: (sched[i].num_new_tokens != 1, lora_slots[i]))
+        # The step's index arithmetic in plain Python: a handful of small numpy calls cost
+        # more than these loops at decode sizes, on the caches a step's weight stream leaves
+        # cold (20-40 us each), and a chunk of a few thousand tokens takes well under a ms.
         bs = self.block_size
         num_seqs = len(order)
-        q_lens = np.array([sched[i].num_new_tokens for i in order], dtype=np.int64)
-        starts = np.array([sched[i].num_computed_tokens for i in order], dtype=np.int64)
-        seq_lens = starts + q_lens
-        max_blocks = int(-(-seq_lens.max() // bs))
+        q_lens = [sched[i].num_new_tokens for i in order]
+        starts = [sched[i].num_computed_tokens for i in order]
+        seq_lens = [a + q for a, q in zip(starts, q_lens)]
+        max_blocks = -(-max(seq_lens) // bs)
         tokens: list[int] = []
+        query_start_loc = [0]
         for i in order:
             s = sched[i]
             known = s.num_new_tokens - len(s.spec_token_ids)
             tokens.extend(states[i].token_ids[s.num_computed_tokens : s.num_computed_tokens + known])
             tokens.extend(s.spec_token_ids)
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        positions = np.arange(len(tokens), dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
+            query_start_loc.append(len(tokens))
+        positions = [p for a, b in zip(starts, seq_lens) for p in range(a, b)]
+        self._check_positions(starts, seq_lens)
 
         dev = self.device
-        seq_lens_t = torch.from_numpy(seq_lens).to(dev)
-        query_start_loc_t = torch.from_numpy(query_start_loc).to(dev)
-        seq_lens_list, q_lens_list = seq_lens.tolist(), q_lens.tolist()
-        num_decodes = int((q_lens == 1).sum())
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+        query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.int64, device=dev)
+        num_decodes = q_lens.count(1)
         metas: list[AttentionMetadata] = []
         for g in range(len(self.layout.groups)):  # one block table (and slot mapping) per KV-cache group
+            ids_of = [sched[i].block_ids if g == 0 else sched[i].group_block_ids[g - 1] for i in order]
+            self._check_blocks([sched[i].req_id for i in order], ids_of, seq_lens)
             tables = self._block_tables[g][:num_seqs, :max_blocks]
             tables.fill(0)
-            for row, i in enumerate(order):
-                ids = sched[i].block_ids if g == 0 else sched[i].group_block_ids[g - 1]
-                ids = ids[:max_blocks]
-                tables[row, : len(ids)] = ids
-            slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-            self._check_bounds(sched, g, tables, seq_lens, positions)
+            for row, ids in enumerate(ids_of):
+                tables[row, : min(len(ids), max_blocks)] = ids[:max_blocks]
+            slots = [ids[p // bs] * bs + p % bs for ids, a, b in zip(ids_of, starts, seq_lens) for p in range(a, b)]
             metas.append(AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                 block_tables=torch.from_numpy(np.ascontiguousarray(tables)).to(dev),
                 seq_lens=seq_lens_t,
                 query_start_loc=query_start_loc_t,
-                seq_lens_list=seq_lens_list,
-                query_lens_list=q_lens_list,
+                seq_lens_list=seq_lens,
+                query_lens_list=q_lens,
                 num_decodes=num_decodes,
                 block_size=bs,
             ))  # fmt: skip
         # One metadata for every layer, or each layer its group's.
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layout.layer_group]
         if self.lora is not None:
-            self.lora.context.mapping = LoRAManager.mapping([lora_slots[i] for i in order], q_lens_list)
+            self.lora.context.mapping = LoRAManager.mapping([lora_slots[i] for i in order], q_lens)
         try:
             hidden = self.model(
                 torch.tensor(tokens, dtype=torch.int64, device=dev),
-                torch.from_numpy(positions).to(dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev),
                 self.kv_caches,
                 self.backend,
                 meta,
@@ -360,21 +361,22 @@ class ModelRunner:
                 for tok in tokens:
                     state.append(tok)
 
-    def _check_bounds(self, sched, group: int, tables: np.ndarray, seq_lens: np.ndarray, positions: np.ndarray) -> None:
-        """The native kernels trust their indices: check the step's once, here (a few numpy
-        reductions), so a bad block id or position is an error, never a stray memory access."""
-        num_blocks = self.num_blocks
+    def _check_positions(self, starts: list[int], seq_lens: list[int]) -> None:
+        """The native kernels trust their indices: check the step's once, here, so a bad
+        position is an error, never a stray memory access (block ids: ``_check_blocks``)."""
         max_positions = self.model.rope.cos.shape[0]
-        for s in sched:
-            ids = s.block_ids if group == 0 else s.group_block_ids[group - 1]
-            if not ids or min(ids) < 0 or max(ids) >= num_blocks:
-                raise ValueError(f"request {s.req_id}: block ids outside the pool [0, {num_blocks})")
-            if len(ids) * self.block_size < s.num_computed_tokens + s.num_new_tokens:
-                raise ValueError(f"request {s.req_id}: {len(ids)} blocks for {s.num_computed_tokens + s.num_new_tokens} tokens")
-        if seq_lens.min() < 1 or positions.min() < 0 or positions.max() >= max_positions:
+        if min(seq_lens) < 1 or min(starts) < 0 or max(seq_lens) > max_positions:
             raise ValueError(f"step positions outside [0, {max_positions}) or an empty sequence")
-        if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
-            raise ValueError(f"block table entries outside the pool [0, {num_blocks})")
+
+    def _check_blocks(self, req_ids: list[str], ids_of: list[list[int]], seq_lens: list[int]) -> None:
+        """Every block id of the step's tables (built from these lists, padded with block 0)
+        inside the pool, and enough of them for each sequence's positions."""
+        num_blocks = self.num_blocks
+        for req_id, ids, n in zip(req_ids, ids_of, seq_lens):
+            if not ids or min(ids) < 0 or max(ids) >= num_blocks:
+                raise ValueError(f"request {req_id}: block ids outside the pool [0, {num_blocks})")
+            if len(ids) * self.block_size < n:
+                raise ValueError(f"request {req_id}: {len(ids)} blocks for {n} tokens")
 
     def _sampling_batch(self, reqs: list[CachedRequestState], grammar: GrammarBitmask | None = None) -> SamplingBatch:
         params = [r.sampling_params for r in reqs]
