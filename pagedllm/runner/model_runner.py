@@ -260,8 +260,11 @@ class ModelRunner:
         for i in order:
             s = sched[i]
             known = s.num_new_tokens - len(s.spec_token_ids)
-            tokens.extend(states[i].token_ids[s.num_computed_tokens : s.num_computed_tokens + known])
+            tokens.extend(states[i].token_ids[s.num_computed_tokens : s.num_computed_tokens + known] if known >= 0 else ())
             tokens.extend(s.spec_token_ids)
+            if len(tokens) - query_start_loc[-1] != s.num_new_tokens:  # positions and slots follow num_new_tokens
+                raise ValueError(f"request {s.req_id}: {len(tokens) - query_start_loc[-1]} tokens for a step of "
+                                 f"{s.num_new_tokens} (known {len(states[i].token_ids)}, drafts {len(s.spec_token_ids)})")  # fmt: skip
             query_start_loc.append(len(tokens))
         positions = [p for a, b in zip(starts, seq_lens) for p in range(a, b)]
         self._check_positions(starts, seq_lens)

@@ -164,6 +164,14 @@ def test_the_runner_refuses_indices_outside_the_pool(llm):
         runner.update_states(out)
         with pytest.raises(ValueError, match=match):
             runner.execute(out)
+    # Token counts that disagree with the step's size: more drafts than new positions, or more
+    # new positions than the request has tokens (found in review: the step's lists would then
+    # have told the kernels of positions and slots that the token tensor lacks, or vice versa).
+    for num_new, drafts in ((1, [8, 9, 10]), (6, []), (-1, [])):
+        out = SchedulerOutput(scheduled=[ScheduledRequest("bad", num_new, 0, [1], True, new, (), drafts)])
+        runner.update_states(out)
+        with pytest.raises(ValueError, match="tokens for a step of"):
+            runner.execute(out)
     runner.update_states(SchedulerOutput(finished_req_ids={"bad"}))
     assert "bad" not in runner.requests
 
