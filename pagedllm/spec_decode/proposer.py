@@ -105,7 +105,7 @@ class Proposer:
             for (i, room), d in zip(ready, found):
                 if d:
                     drafts[i] = d[: min(room, self.lengths.choose(states[i]))]
-                    states[i].spec_drafted = len(drafts[i])
+                states[i].spec_drafted = len(drafts[i])
             return drafts
         wanted = [(i, min(room, k)) for i, room in ready if (k := self.lengths.choose(states[i])) > 0]
         if not wanted:
