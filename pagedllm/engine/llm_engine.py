@@ -410,9 +410,13 @@ class LLMEngine:
             if end > req.num_prompt_tokens_run:
                 prompt_tokens += end - max(s.num_computed_tokens, req.num_prompt_tokens_run)
                 req.num_prompt_tokens_run = end
-        self.output_processor.record_logprobs(scheduled, result)
-        spec = spec_stats(sched_out, result.sampled)
+        spec = spec_stats(sched_out, result.sampled)  # what verification accepted, before stops trim it
         finished = self.scheduler.update_from_output(sched_out, result.sampled, result.spec_token_ids)
+        # A stop inside accepted drafts dropped the tokens after it (update_from_output): their
+        # logprobs go too, so a request's logprobs stay one per output token.
+        for tokens, lps in zip(result.sampled, result.logprobs):
+            del lps[len(tokens) :]
+        self.output_processor.record_logprobs(scheduled, result)
         for req, tokens in zip(scheduled, result.sampled):
             if not tokens or req.status is RequestStatus.FINISHED_ERROR:  # a sibling's fault ended it
                 continue

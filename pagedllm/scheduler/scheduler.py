@@ -342,6 +342,9 @@ class Scheduler:
         rejected drafts is not counted as computed (their slots are written again next step,
         and blocks are registered in the prefix cache only up to verified tokens).
         ``drafts[i]``, when given, are the request's draft tokens for the next step.
+        A stop (EOS, a stop token id, max_tokens) inside ``sampled[i]`` ends the request there:
+        the tokens drawn after it (accepted drafts run past it) are dropped from ``sampled[i]``
+        itself, so every later consumer of the step sees only the tokens that were output.
         """
         finished: list[Request] = []
         now = time.monotonic()
@@ -353,7 +356,7 @@ class Scheduler:
             req.spec_token_ids = drafts[i] if drafts else []
             self.kv.cache_blocks(req.request_id, min(req.num_computed_tokens, req.num_tokens), req.all_token_ids, req.cache_keys)
             self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)  # e.g. behind a sliding window
-            for token in tokens:
+            for n, token in enumerate(tokens, 1):
                 req.append_output_token(token)
                 if req.first_token_time is None:
                     req.first_token_time = now
@@ -361,6 +364,7 @@ class Scheduler:
                 if status is not None:
                     self.finish(req, status)
                     finished.append(req)
+                    del tokens[n:]
                     break
         return finished
 
