@@ -28,6 +28,11 @@ def _nan_body(model: str, field: str, literal: str) -> bytes:
     return f'{{"model": "{model}", "prompt": "x", "max_tokens": 2, "{field}": {literal}}}'.encode()
 
 
+def _raw(model: str, fields: str) -> bytes:
+    """A body written as JSON text (for escapes json.dumps would not produce)."""
+    return f'{{"model": {json.dumps(model)}, {fields}}}'.encode()
+
+
 def hostile_requests(model: str) -> list[tuple[str, str, dict | bytes, set[int], str | None]]:
     """(name, path, JSON body or raw bytes, accepted statuses, expected error param)."""
     c, ch = "/v1/completions", "/v1/chat/completions"
@@ -60,6 +65,12 @@ def hostile_requests(model: str) -> list[tuple[str, str, dict | bytes, set[int],
         ("17 MiB body", c, {**base, "prompt": "z" * (17 << 20)}, {413}, None),
         ("invalid UTF-8", c, b'{"model": "m", "prompt": "\xff\xfe"}', {400}, None),
         ("not JSON", c, b"{not json", {400}, None),
+        # JSON can escape a lone UTF-16 surrogate, which is no text (was: 500 from the tokenizer).
+        ("lone surrogate in a prompt", c, _raw(model, '"prompt": "a\\ud800b", "max_tokens": 2'), {400}, None),
+        ("lone surrogate in a prompt list", c, _raw(model, '"prompt": ["ok", "\\udfff"], "max_tokens": 2'), {400}, None),
+        ("lone surrogate in a chat message", ch, _raw(model, '"messages": [{"role": "user", "content": "\\udc00"}]'), {400},
+         None),
+        ("lone surrogate to /tokenize", "/tokenize", _raw(model, '"prompt": "\\ud800"'), {400}, None),
         ("request chat_template", ch, {**chat, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}, {400}, "chat_template"),
         ("chat_template_kwargs messages", ch, {**chat, "chat_template_kwargs": {"messages": []}}, {400}, "chat_template_kwargs"),
         ("tools auto on a server without a parser", ch, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]},

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -41,12 +41,41 @@ _HARMLESS = {"user", "store", "metadata", "service_tier", "reasoning_effort", "r
 _logged_unknown: set[str] = set()
 
 
+def _reject_lone_surrogates(value: Any, where: str) -> None:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800") in a string, but it is no text: the
+    tokenizer would fail on it later, as an internal error. Refuse it where it is found."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: a lone UTF-16 surrogate is not text (invalid Unicode)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_lone_surrogates(key, where)
+            _reject_lone_surrogates(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _reject_lone_surrogates(item, f"{where}[{i}]")
+
+
+class _TextBody(BaseModel):
+    """A request body whose strings must all be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                _reject_lone_surrogates(value, str(key))
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_TextBody):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -252,7 +281,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens, logprobs)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TextBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
