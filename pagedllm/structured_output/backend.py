@@ -13,6 +13,8 @@ import json
 import re
 from typing import Any
 
+import torch
+
 from pagedllm.sampling_params import StructuredOutputsParams
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
@@ -130,7 +132,19 @@ class XgrammarBackend:
         return (self.vocab_size + 31) // 32
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """A CompiledGrammar (xgrammar's compiler caches them by constraint)."""
+        """A CompiledGrammar (xgrammar's compiler caches them by constraint). A constraint that
+        admits no output at all (e.g. a JSON schema whose only type refers to itself) is a
+        ValueError here, not a refused token later."""
+        compiled = self._compile(params)
+        first = self.matcher(compiled)
+        if not first.is_terminated():
+            mask = torch.zeros(1, self.bitmask_width, dtype=torch.int32)
+            self.fill_bitmask([first], mask)
+            if not bool(mask.any()):
+                raise ValueError(f"structured_outputs.{params.kind} admits no output: no token can start it")
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         c = self.compiler
         kind = params.kind
         try:

@@ -239,3 +239,16 @@ def test_property_order_is_part_of_the_grammar_key():
     b = {"type": "object", "properties": {"y": {"type": "integer"}, "x": {"type": "integer"}}}
     assert StructuredOutputsParams(json=a).key != StructuredOutputsParams(json=b).key
     assert StructuredOutputsParams(json=a).key == StructuredOutputsParams(json=dict(a)).key
+
+
+def test_a_constraint_that_admits_no_output_fails_when_compiled(llm):
+    """A JSON schema whose only type refers to itself has no first token: its request ends with
+    that error once compiled, before any step (was: a refused token after the first step; found
+    by an adversarial server session). Other requests run on."""
+    loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    bad, good = llm.generate(["x", "y"], [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=loop)),
+                                          SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))],
+                             use_tqdm=False)  # fmt: skip
+    assert bad.outputs[0].finish_reason == "error" and "admits no output" in bad.error
+    assert bad.outputs[0].token_ids == []
+    assert good.outputs[0].finish_reason == "length" and good.outputs[0].text.isalpha()
