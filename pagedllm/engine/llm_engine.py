@@ -119,6 +119,7 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                         validate_structured=self.structured.validate)  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor.on_fault = self._fail_request
         self.parallel = ParallelSampling(self.scheduler, share_prompt=config.enable_prefix_caching)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
         self.beams = BeamSearch(self.scheduler, self.kv_cache_manager, detok)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.request import Request
@@ -45,6 +45,9 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None):
         self.tokenizer = tokenizer
         self.parents: dict[str, _Parent] = {}
+        # Called when building one request's output fails (the engine ends that request there);
+        # None: the exception propagates.
+        self.on_fault: Callable[[Request, BaseException], None] | None = None
         self._decoded: dict[int, str] = {}  # token id -> text, for log-probability entries
 
     def _decode_one(self, token_id: int) -> str:
@@ -107,10 +110,31 @@ class OutputProcessor:
             finished = all(s.request.status.finished for s in parent.samples)
             if parent.kind is RequestOutputKind.FINAL_ONLY and not finished:
                 continue
-            outputs.append(self._output(parent, finished))
+            try:
+                outputs.append(self._output(parent, finished))
+            except Exception as e:  # this request's alone: it ends with the error, the others go on
+                if self.on_fault is None:
+                    raise
+                self.on_fault(parent.samples[0].request, e)
+                outputs.append(self._error_output(parent))
+                finished = True
             if finished:
                 del self.parents[parent_id]
         return outputs
+
+    @staticmethod
+    def _error_output(parent: _Parent) -> RequestOutput:
+        """The last output of a request whose output could not be built: its error, no tokens."""
+        first = parent.samples[0].request
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[CompletionOutput(index=s.request.index, text="", token_ids=[], finish_reason="error")
+                     for s in parent.samples],  # fmt: skip
+            finished=True,
+            error=next((s.request.error for s in parent.samples if s.request.error), "building the output failed"),
+        )
 
     def _output(self, parent: _Parent, finished: bool) -> RequestOutput:
         delta = parent.kind is RequestOutputKind.DELTA

@@ -205,6 +205,27 @@ def test_a_fault_on_the_last_token_still_reports_the_error(llm, monkeypatch):
     assert out.outputs[0].finish_reason == "error" and "injected" in out.error
 
 
+def test_a_fault_while_building_one_output_ends_only_that_request(llm, monkeypatch):
+    """Building a request's output is request-local too: a fault there ends that request with
+    an error output, and the others finish as alone. (A bug there, since fixed, once killed the
+    whole engine: an IndexError from logprobs the output did not match.)"""
+    processor = llm.llm_engine.output_processor
+    real = processor._output
+
+    def fails_for_44(parent, finished):
+        if parent.samples[0].request.prompt_token_ids[0] == 44 and len(parent.samples[0].request.output_token_ids) >= 2:
+            raise IndexError("injected")
+        return real(parent, finished)
+
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    (alone,) = llm.generate([{"prompt_token_ids": [45, 9]}], params, use_tqdm=False)
+    monkeypatch.setattr(processor, "_output", fails_for_44)
+    bad, good = llm.generate([{"prompt_token_ids": [44, 9]}, {"prompt_token_ids": [45, 9]}], params, use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error and bad.finished
+    assert good.outputs[0].token_ids == alone.outputs[0].token_ids and good.outputs[0].finish_reason == "length"
+    assert llm.llm_engine.kv_cache_manager.usage() == 0.0 and not llm.llm_engine.has_unfinished_requests()
+
+
 def test_seeded_samples_do_not_change_with_preemption(tiny_llama):
     """A preempted request's generator outlives the preemption: its random stream goes on."""
     prompts = [{"prompt_token_ids": [3 + i, 7, 11, 13]} for i in range(6)]
