@@ -115,8 +115,6 @@ class XgrammarBackend:
         and newline", which lets such tokens into strings (found by a test: a random model wrote
         "\x11" into a maxLength string); JSON constraints AND this row into their masks.
         """
-        import torch
-
         bad = bytes(set(range(32)) - {9, 10, 13})
         mask = torch.zeros(self.bitmask_width * 32, dtype=torch.bool)
         for token, text in enumerate(self.info.decoded_vocab[: self.vocab_size]):
@@ -138,8 +136,10 @@ class XgrammarBackend:
         compiled = self._compile(params)
         first = self.matcher(compiled)
         if not first.is_terminated():
+            # The matcher's own fill: this runs on the compiler's thread, and the batch filler
+            # (fill_bitmask) belongs to the engine's.
             mask = torch.zeros(1, self.bitmask_width, dtype=torch.int32)
-            self.fill_bitmask([first], mask)
+            first.fill_next_token_bitmask(mask)
             if not bool(mask.any()):
                 raise ValueError(f"structured_outputs.{params.kind} admits no output: no token can start it")
         return compiled
