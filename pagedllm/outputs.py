@@ -70,3 +70,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # Set when the engine failed this request (finish_reason "error"): the cause, for logs.
     error: str | None = None
+    # With `error`: the request itself was invalid (found in the engine, not when it was
+    # added), so `error` is the user's to read, like a ValueError's message.
+    rejected: bool = False

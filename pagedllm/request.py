@@ -56,6 +56,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # what failed, with FINISHED_ERROR (logged; servers do not show it)
+    # The error is the request's own: an invalid input only the engine could find (e.g. a
+    # constraint that admits no output). Servers answer it as a bad request, with `error`.
+    rejected: bool = False
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -484,7 +484,8 @@ class LLMEngine:
                 continue
             now = time.monotonic()
             for req in samples:
-                req.status, req.error, req.finished_time = RequestStatus.FINISHED_ERROR, error, now
+                req.status, req.error, req.finished_time = RequestStatus.FINISHED_ERROR, str(error), now
+                req.rejected = isinstance(error, ValueError)  # the constraint's fault, not the engine's
                 self.output_processor.mark(req)
             self._samples_of.pop(samples[0].parent_id, None)
 

@@ -134,6 +134,7 @@ class OutputProcessor:
                      for s in parent.samples],  # fmt: skip
             finished=True,
             error=next((s.request.error for s in parent.samples if s.request.error), "building the output failed"),
+            rejected=any(s.request.rejected for s in parent.samples),
         )
 
     def _output(self, parent: _Parent, finished: bool) -> RequestOutput:
@@ -180,6 +181,7 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.request.num_preemptions for s in parent.samples),
             error=next((s.request.error for s in parent.samples if s.request.error), None),
+            rejected=any(s.request.rejected for s in parent.samples),
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,

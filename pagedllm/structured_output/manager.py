@@ -98,9 +98,9 @@ class StructuredOutputManager:
         if self._held:
             wait([h.future for h in self._held.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def take_ready(self) -> list[tuple[list[Request], str | None]]:
+    def take_ready(self) -> list[tuple[list[Request], BaseException | None]]:
         """Held requests whose grammar is done: (samples, None) with a matcher each, or
-        (samples, error message) when compiling failed."""
+        (samples, the error) when compiling failed (a ValueError: the constraint is invalid)."""
         ready = []
         for parent_id, held in list(self._held.items()):
             if not held.future.done():
@@ -108,7 +108,7 @@ class StructuredOutputManager:
             del self._held[parent_id]
             error = held.future.exception()
             if error is not None:
-                ready.append((held.samples, str(error)))
+                ready.append((held.samples, error))
                 continue
             compiled = held.future.result()
             backend = self.backend()

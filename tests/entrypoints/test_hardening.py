@@ -22,6 +22,9 @@ FAULT_TOKEN = 4242  # a prompt containing it makes the model step raise (request
 DEATH_TOKEN = 4343  # a prompt containing it raises outside any request's work (engine_token rule)
 NORMAL_PROMPTS = [f"Normal stream {i}: once upon a time" for i in range(8)]
 NORMAL_TOKENS = 480  # long enough to outlast the hostile requests (at 160 they ended 0.1 s after them)
+# A JSON schema whose only type refers to itself: valid to parse, but no token can start it,
+# which only compiling it shows (on the grammar thread, after the request was accepted).
+SELF_LOOP_SCHEMA = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
 
 
 def _nan_body(model: str, field: str, literal: str) -> bytes:
@@ -86,6 +89,11 @@ def hostile_requests(model: str) -> list[tuple[str, str, dict | bytes, set[int],
         ("guided_grammar syntax error", c, {**base, "guided_grammar": "root ::= ("}, {400}, "structured_outputs"),
         ("two constraints", c, {**base, "guided_regex": "a+", "guided_choice": ["a"]}, {400}, None),
         ("2 MiB schema", c, {**base, "guided_json": {"description": "d" * (2 << 20)}}, {400}, "structured_outputs"),
+        # Found invalid only once compiled (was: a 500).
+        ("guided_json that admits no output", c, {**base, "guided_json": SELF_LOOP_SCHEMA}, {400}, "structured_outputs"),
+        ("json_schema response_format that admits no output", ch,
+         {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SELF_LOOP_SCHEMA}}},
+         {400}, "structured_outputs"),
         ("best_of below n", c, {**base, "n": 3, "best_of": 2}, {400}, "best_of"),
         ("best_of on chat", ch, {**chat, "best_of": 3}, {400}, "best_of"),
         ("use_beam_search with a temperature", c, {**base, "use_beam_search": True, "temperature": 0.7}, {400}, "temperature"),
@@ -159,12 +167,18 @@ def test_hostile_requests_never_hurt_normal_streams(faulty_server, tiny_llama_to
             # A streaming request hit by the model-step fault: an error event, then [DONE].
             bad = {"model": model, "prompt": [7, FAULT_TOKEN], "max_tokens": 8}
             _, events = await _stream_text(ac, f"{url}/v1/completions", bad)
+            # A streaming request whose constraint fails when compiled: a 400 error event, then [DONE].
+            loop = {"model": model, "prompt": "x", "max_tokens": 8, "guided_json": SELF_LOOP_SCHEMA}
+            _, rejected = await _stream_text(ac, f"{url}/v1/completions", loop)
             alive = [not t.done() for t in streams]
             assert any(alive), "the normal streams ended before the hostile requests were through: lengthen them"
-            return await asyncio.gather(*streams), events[-2]
+            return await asyncio.gather(*streams), events[-2], rejected
 
-    results, error_event = asyncio.run(scenario())
+    results, error_event, rejected = asyncio.run(scenario())
     assert json.loads(error_event)["error"]["code"] == 500
+    assert rejected[-1] == "[DONE]"
+    error = json.loads(rejected[-2])["error"]
+    assert error["code"] == 400 and error["param"] == "structured_outputs" and "admits no output" in error["message"], error
     completed = sum(text == ref for (text, events), ref in zip(results, alone))
     lost = len(normal) - completed
     print(f"\nhostile requests tried: {len(hostile) + 1}; normal streams completed identically: {completed}/8; lost: {lost}")

@@ -250,5 +250,6 @@ def test_a_constraint_that_admits_no_output_fails_when_compiled(llm):
                                           SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))],
                              use_tqdm=False)  # fmt: skip
     assert bad.outputs[0].finish_reason == "error" and "admits no output" in bad.error
+    assert bad.rejected and not good.rejected  # the request's own fault: servers answer 400
     assert bad.outputs[0].token_ids == []
     assert good.outputs[0].finish_reason == "length" and good.outputs[0].text.isalpha()

@@ -56,11 +56,24 @@ class RequestFailedError(RuntimeError):
         self.request_id = request_id
 
 
+class RequestRejectedError(ValueError):
+    """The engine found the request invalid after accepting it (e.g. a constraint that admits
+    no output, known only once compiled): a 400 like any ValueError, naming the field."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        # Engine messages start with the field ("structured_outputs.json admits no output ...").
+        self.param = message.split(" ", 1)[0].split(".", 1)[0] or None
+
+
 async def _checked(request_id: str, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    """Pass outputs through; an output the engine ended with an error raises RequestFailedError."""
+    """Pass outputs through; an output the engine ended with an error raises RequestRejectedError
+    (the request's own fault) or RequestFailedError (the engine's)."""
     try:
         async for out in stream:
             if any(c.finish_reason == "error" for c in out.outputs):
+                if out.rejected and out.error:
+                    raise RequestRejectedError(out.error)
                 raise RequestFailedError(request_id)
             yield out
     finally:
@@ -79,11 +92,14 @@ async def _start(
 
 def stream_error_event(error: BaseException, request_id: str) -> str:
     """The last SSE event of a stream the engine could not finish (then ``[DONE]``)."""
+    param = None
     if isinstance(error, EngineDeadError):
         body = {"message": "the engine is unavailable; retry later", "type": "ServiceUnavailableError", "code": 503}
+    elif isinstance(error, RequestRejectedError):
+        body, param = {"message": str(error), "type": "BadRequestError", "code": 400}, error.param
     else:
         body = {"message": f"internal error (request id {request_id})", "type": "InternalServerError", "code": 500}
-    return _sse({"error": {**body, "param": None}})
+    return _sse({"error": {**body, "param": param}})
 
 
 async def _aborting_on_exit(llm: AsyncLLM, ids: list[str], body: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -93,7 +109,7 @@ async def _aborting_on_exit(llm: AsyncLLM, ids: list[str], body: AsyncIterator[s
     try:
         async for chunk in body:
             yield chunk
-    except (RequestFailedError, EngineDeadError) as e:
+    except (RequestFailedError, RequestRejectedError, EngineDeadError) as e:
         logger.warning("stream %s ended by an engine error: %s", ids[0], e)
         yield stream_error_event(e, ids[0])
         yield "data: [DONE]\n\n"
