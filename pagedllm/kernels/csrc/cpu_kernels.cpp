@@ -869,11 +869,18 @@ namespace {
 constexpr int PANEL = 16;
 constexpr int MR_MAX = 6;
 constexpr int64_t M_CHUNK = 96;
+// The first tile over a panel streams it from memory (the later ones of the chunk find it in
+// cache): it asks for the panel row PANEL_PREFETCH ahead (one cache line per k; past the panel's
+// end, the next panel, which the thread takes next) into L2 (prefetcht1). Measured on Zen 4,
+// the model's 121 linears in turn (513 MiB of panels), alternated in one process: 64 rows
+// 88-90 -> 79.5 ms (AVX2 build 99.6 -> 86.9), 16 rows 31.8 -> 23.9, 2048 rows 2630 -> 2573 ms;
+// 16 lines ahead gained nothing, 64 half of it.
+constexpr int64_t PANEL_PREFETCH = 128;
 
 // One 6 x 16 tile of y over the whole K. Named accumulators: with arrays GCC spilled them to
 // the stack on every k (half the speed). Rows past `rows` read row 0 again and are not stored.
 inline void panel_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
-                       int rows) {
+                       int rows, bool stream) {
     const float* xr[MR_MAX];
     for (int i = 0; i < MR_MAX; i++) xr[i] = x + (i < rows ? i : 0) * ldx;
 #ifdef PAGEDLLM_AVX2
@@ -881,6 +888,7 @@ inline void panel_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const
     __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
     const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3], *x4 = xr[4], *x5 = xr[5];
     for (int64_t k = 0; k < K; k++) {
+        if (stream) __builtin_prefetch(panel + (k + PANEL_PREFETCH) * PANEL, 0, 2);
         const __m256 w0 = _mm256_load_ps(panel + k * PANEL), w1 = _mm256_load_ps(panel + k * PANEL + 8);
         __m256 v = _mm256_broadcast_ss(x0 + k);
         a0 = _mm256_fmadd_ps(v, w0, a0); b0 = _mm256_fmadd_ps(v, w1, b0);
@@ -903,6 +911,7 @@ inline void panel_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const
     _mm256_store_ps(tile[4], a4); _mm256_store_ps(tile[4] + 8, b4);
     _mm256_store_ps(tile[5], a5); _mm256_store_ps(tile[5] + 8, b5);
 #else
+    (void)stream;  // no prefetch in the portable code
     float tile[MR_MAX][PANEL] = {};
     for (int64_t k = 0; k < K; k++)
         for (int i = 0; i < MR_MAX; i++) {
@@ -922,11 +931,13 @@ inline void panel_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const
 constexpr int MR512 = 8;
 
 template <int MR>
-inline void panel_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols) {
+inline void panel_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                          bool stream) {
     __m512 acc[MR];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
+        if (stream) __builtin_prefetch(panel + (k + PANEL_PREFETCH) * PANEL, 0, 2);
         const __m512 w = _mm512_loadu_ps(panel + k * PANEL);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, acc[i]);
@@ -939,10 +950,10 @@ inline void panel_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, co
 // The rows left after the full tiles, in one tile of their own size.
 template <int MR>
 inline void panel_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
-                          int rows) {
+                          int rows, bool stream) {
     if constexpr (MR > 0) {
-        if (rows == MR) return panel_tile512<MR>(y, ldy, x, ldx, panel, K, cols);
-        panel_tail512<MR - 1>(y, ldy, x, ldx, panel, K, cols, rows);
+        if (rows == MR) return panel_tile512<MR>(y, ldy, x, ldx, panel, K, cols, stream);
+        panel_tail512<MR - 1>(y, ldy, x, ldx, panel, K, cols, rows, stream);
     }
 }
 #endif
@@ -951,11 +962,12 @@ void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float
                  int64_t rows) {
 #ifdef PAGEDLLM_AVX512
     int64_t m = 0;
-    for (; m + MR512 <= rows; m += MR512) panel_tile512<MR512>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols);
-    if (m < rows) panel_tail512<MR512 - 1>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(rows - m));
+    for (; m + MR512 <= rows; m += MR512)
+        panel_tile512<MR512>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, m == 0);
+    if (m < rows) panel_tail512<MR512 - 1>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(rows - m), m == 0);
 #else
     for (int64_t m = 0; m < rows; m += MR_MAX)
-        panel_tile(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(std::min<int64_t>(MR_MAX, rows - m)));
+        panel_tile(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(std::min<int64_t>(MR_MAX, rows - m)), m == 0);
 #endif
 }
 
