@@ -13,8 +13,8 @@ geometric run), both decayed so the estimate follows the text (a passage to copy
 prose). A request that drafts nothing probes with one token now and then, so it notices when
 drafting starts paying again: now, then after w, 2w, 4w ... steps up to a longest wait. A probe
 costs what a one-token draft costs (its proposer's work plus a verified row), so the waits grow
-with it: prompt lookup (a probe is one verified row, 0.21 of a step) probes after 5, 10, 20
-and every 32 steps; a drafter whose probe costs 0.76 of a step after 16, 32, 64 and every 76
+with it: prompt lookup (a probe is one verified row, 0.28 of a step) probes after 6, 12, 24
+and every 32 steps; a drafter whose probe costs 0.83 of a step after 17, 34, 68 and every 83
 steps, which keeps probing near 1% of the work (the first probes of a short reply cost a little
 more). Prompt lookup asks the policy only at steps where the text offers a draft (a match), so
 a probe is never spent on a step with nothing to propose, and the waits count steps as usual.
@@ -32,13 +32,12 @@ from typing import Protocol
 from torch import nn
 
 # Extra cost of one more token in a decode step, in 1-token steps: measured on the default model
-# (fp32, exact), AMD EPYC Zen 4, whole engine steps of one request (median over steps whose
-# drafts were all accepted, same process): 2 / 3 / 4 tokens cost 1.21 / 1.35 / 1.63-1.66x a
-# plain step (5.8-6.1 ms), ~0.21 per drafted token. The decoder linears alone grow by ~0.17
-# per row (3.05 / 3.70 / 4.42 / 5.21 ms at 1 / 2 / 3 / 4 rows); the LM head, attention and the
-# verification's own work add the rest. Each extra row adds one FMA per weight, which the exact
-# fp32 kernel cannot share between rows.
-VERIFY_COST_PER_TOKEN = 0.21
+# (fp32, exact), AMD EPYC Zen 4, whole engine steps of one request (medians over the `edit`
+# prompts' steps, n-gram drafts up to 7, same process): 2 / 3 / 4 / 8 tokens cost 1.31 / 1.56 /
+# 1.79 / 3.08x a plain step (4.38 ms), ~0.28 per drafted token. (It was ~0.21 until the one-row
+# GEMM's prefetch made the plain step ~20% faster: the extra rows were compute-bound already.)
+# Each extra row adds one FMA per weight, which the exact fp32 kernel cannot share between rows.
+VERIFY_COST_PER_TOKEN = 0.28
 DECAY = 0.8  # weight of the older history at each verified draft
 MIN_GAIN = 1.05  # a draft must promise this many times plain decoding's tokens per unit of cost
 FIRST_PROBE_WAIT = 4  # steps between the first probes of a request that drafts nothing ...

@@ -146,9 +146,10 @@ def test_probes_are_rarer_the_more_a_probe_costs():
         return steps
 
     cheap, costly = probe_steps(DraftCost()), probe_steps(DraftCost(fixed=0.06, per_token=0.49))
-    assert cheap[:4] == [0, 6, 17, 38] and len(cheap) == 14  # waits 5, 10, 20, then every 32
-    assert costly[:4] == [0, 17, 50, 115] and len(costly) == 7  # waits 16, 32, 64, then every 76
-    for steps, cost in ((cheap, VERIFY_COST_PER_TOKEN), (costly, 0.76)):
+    # A prompt-lookup probe costs a verified row (0.28 of a step), the drafter's 0.83.
+    assert cheap[:4] == [0, 7, 20, 45] and len(cheap) == 14  # waits 6, 12, 24, then every 32
+    assert costly[:4] == [0, 18, 53, 122] and len(costly) == 7  # waits 17, 34, 68, then every 83
+    for steps, cost in ((cheap, VERIFY_COST_PER_TOKEN), (costly, 0.55 + VERIFY_COST_PER_TOKEN)):
         assert len(steps) * cost / 400 < 0.03
 
 
@@ -158,16 +159,16 @@ def test_a_prompt_lookup_probe_waits_for_a_step_with_a_match():
     proposer = Proposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2))
     s = _State([1, 2, 3, 1, 2])  # [1, 2] occurred before: a draft is on offer
     s.spec_misses = 50.0  # a rate far too low to draft: only probes
-    assert proposer.propose([s], [True], [None])[0] == [3]  # the first probe, then a wait of 5
+    assert proposer.propose([s], [True], [None])[0] == [3]  # the first probe, then a wait of 6
     s.token_ids = [1, 2, 3, 1, 2, 8, 9]  # from here no 2-token suffix repeats
     accepted = 0  # the probe was rejected
     for _ in range(12):  # the wait runs out, and later steps find nothing to probe with
         assert proposer.propose([s], [True], [accepted])[0] == []
         accepted = None
-    assert s.spec_skip == 0 and s.spec_backoff == 5  # the next wait is not doubled by empty steps
+    assert s.spec_skip == 0 and s.spec_backoff == 6  # the next wait is not doubled by empty steps
     s.token_ids = [1, 2, 3, 1, 2, 8, 9, 1, 2]  # a match again: the postponed probe comes now
     assert proposer.propose([s], [True], [None])[0] == [8]
-    assert s.spec_backoff == 10
+    assert s.spec_backoff == 12
 
 
 def test_model_based_drafts_get_the_chosen_length():
