@@ -38,6 +38,13 @@ from torch import nn
 # GEMM's prefetch made the plain step ~20% faster: the extra rows were compute-bound already.)
 # Each extra row adds one FMA per weight, which the exact fp32 kernel cannot share between rows.
 VERIFY_COST_PER_TOKEN = 0.28
+# The same in the fast modes (activation_dtype int8), whose integer dot products do 4x the work
+# per instruction, so extra rows stay cheap while the weight stream dominates: 2 / 3 / 4 / 5 / 6
+# / 8 tokens cost 1.12 / 1.12 / 1.16 / 1.28 / 1.40 / 1.75x a plain step (4.22 ms), measured as
+# above; 0.10 per drafted token fits k up to 7 (it overprices k <= 4 a little). The wide mode
+# (int16 activations: twice the dot products, smaller row tiles) measured like the exact one:
+# 1.10 / 1.41 / 1.72 / 2.83x for 2 / 3 / 4 / 8 tokens, ~0.26 per token.
+VERIFY_COST_INT8 = 0.10
 DECAY = 0.8  # weight of the older history at each verified draft
 MIN_GAIN = 1.05  # a draft must promise this many times plain decoding's tokens per unit of cost
 FIRST_PROBE_WAIT = 4  # steps between the first probes of a request that drafts nothing ...
@@ -81,12 +88,14 @@ def best_length(a: float, k_max: int, cost: DraftCost, verify: float = VERIFY_CO
 class DraftLengthPolicy:
     """Per-request draft lengths from acceptance history and the proposer's cost."""
 
-    def __init__(self, k_max: int, cost: DraftCost, prior: float = 0.5, adaptive: bool = True):
+    def __init__(self, k_max: int, cost: DraftCost, prior: float = 0.5, adaptive: bool = True,
+                 verify: float = VERIFY_COST_PER_TOKEN):
         """``prior``: the acceptance rate assumed before a request's first verified draft (as
         one success and one failure's worth of evidence); ``adaptive=False`` always drafts k_max,
-        backing off only after wholly rejected drafts."""
-        self.k_max, self.cost, self.prior, self.adaptive = k_max, cost, prior, adaptive
-        probe = cost.fixed + cost.per_token + VERIFY_COST_PER_TOKEN  # a one-token draft's work, in steps
+        backing off only after wholly rejected drafts. ``verify``: the target's price of one
+        more verified token, in plain steps (``verify_cost``)."""
+        self.k_max, self.cost, self.prior, self.adaptive, self.verify = k_max, cost, prior, adaptive, verify
+        probe = cost.fixed + cost.per_token + verify  # a one-token draft's work, in steps
         self.first_wait = max(FIRST_PROBE_WAIT, math.ceil(probe / FIRST_PROBE_SHARE))
         self.max_wait = max(MAX_PROBE_WAIT, math.ceil(probe / PROBE_SHARE))
 
@@ -120,7 +129,7 @@ class DraftLengthPolicy:
         """The draft length for s, which is not waiting: 0 .. k_max, or a 1-token probe."""
         if not self.adaptive:
             return self.k_max
-        k = best_length(self.acceptance(s), self.k_max, self.cost)
+        k = best_length(self.acceptance(s), self.k_max, self.cost, self.verify)
         if k > 0:
             s.spec_backoff = 0
             return k
@@ -129,6 +138,14 @@ class DraftLengthPolicy:
         s.spec_backoff = min(self.max_wait, 2 * s.spec_backoff) if s.spec_backoff else self.first_wait
         s.spec_skip = s.spec_backoff
         return 1
+
+
+def verify_cost(target: nn.Module) -> float:
+    """The price of one more verified token on ``target``: the int8 mode's when most of the
+    bytes a step reads are int8 panels met by int8 activations (its linears' ``int8`` form with
+    8-bit activations), else the exact mode's."""
+    int8 = sum(m.step_nbytes() for m in target.modules() if getattr(getattr(m, "int8", None), "bits", 0) == 8)
+    return VERIFY_COST_INT8 if 2 * int8 > step_nbytes(target) else VERIFY_COST_PER_TOKEN
 
 
 def step_nbytes(module: nn.Module) -> int:

@@ -12,7 +12,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.kv_cache_dtype import KVCacheSpec
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.config import SpeculativeConfig
-from pagedllm.spec_decode.draft_length import DraftCost, DraftLengthPolicy, step_nbytes
+from pagedllm.spec_decode.draft_length import VERIFY_COST_PER_TOKEN, DraftCost, DraftLengthPolicy, step_nbytes, verify_cost
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import DEFAULT_EAGLE, EagleHead, EagleProposer
 from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads, MedusaProposer
@@ -47,17 +47,19 @@ class Proposer:
     (``draft_length.DraftLengthPolicy``): a request whose drafts are mostly rejected stops
     drafting and only probes now and then, so speculation never costs much more than it saves."""
 
-    def __init__(self, config: SpeculativeConfig, drafter: Any = None, cost: DraftCost = DraftCost()):
+    def __init__(self, config: SpeculativeConfig, drafter: Any = None, cost: DraftCost = DraftCost(),
+                 verify: float = VERIFY_COST_PER_TOKEN):
         """``drafter``: the model-based proposer of the method (e.g. ``DraftModelProposer``)
         with ``propose(req_ids, token_ids, limits, hidden)`` and ``forget(req_id)``; None for
-        n-gram. ``cost``: its work per draft, in plain decode steps of the target."""
+        n-gram. ``cost``: its work per draft, in plain decode steps of the target; ``verify``:
+        the target's price of one more verified token (``draft_length.verify_cost``)."""
         self.config = config
         self._ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.drafter = drafter
         # Before a request's first verified draft: prompt lookup drafts only where the text
         # repeated already (a good sign), a model always drafts (trained heads are right ~1/3).
         prior = 0.5 if drafter is None else 0.3
-        self.lengths = DraftLengthPolicy(config.num_speculative_tokens, cost, prior, adaptive=config.auto_length)
+        self.lengths = DraftLengthPolicy(config.num_speculative_tokens, cost, prior, config.auto_length, verify)
 
     def forget(self, req_id: str) -> None:
         """The request ended or was preempted (a drafter frees whatever it kept for it)."""
@@ -157,7 +159,7 @@ def make_proposer(config: SpeculativeConfig, target: Any, draft_model: Any, pool
         lm_head = target.lm_head if heads.d2t is None else draft_lm_head(target.lm_head, heads.d2t)
         drafter = MedusaProposer(heads, k, target.compute_logits if heads.d2t is None else lm_head)
         cost = DraftCost(fixed=(step_nbytes(heads) + step_nbytes(lm_head)) / target_bytes + DISPATCH_COST)
-    return Proposer(config, drafter, cost)
+    return Proposer(config, drafter, cost, verify_cost(target))
 
 
 # Python dispatch of one model-based drafting pass, in plain decode steps (~0.3 ms of ~5.3 ms).
