@@ -137,6 +137,12 @@ class BeamSearch:
         self._by_request: dict[str, str] = {}  # live request id -> group id
         self._ids = itertools.count()
         self._ready: list[RequestOutput] = []
+        # Each running search reserves the most blocks it could hold at once; a search whose
+        # reservation does not fit beside the running ones waits here (FIFO) until one ends.
+        # Without this, two searches that each fit alone could fill the pool with their
+        # holders (beams that reported wait for their siblings) and both wait forever.
+        self._reserved: dict[str, int] = {}
+        self._waiting: list[tuple[_Group, Request, int]] = []
         # The most blocks the pool held in use at once while beam searches ran (for tests/logs).
         self.peak_used_blocks = 0
         # False: share through the prefix cache instead (a new beam adopts its parent's cached
@@ -178,7 +184,18 @@ class BeamSearch:
             )
         group.beams = [first]
         self.groups[group_id] = group
-        self._submit(group, first, req)
+        self._waiting.append((group, req, need))
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """Start the waiting searches, in order, while their reservations fit."""
+        while self._waiting:
+            group, req, need = self._waiting[0]
+            if sum(self._reserved.values()) + need > self.kv.num_blocks:
+                return
+            self._waiting.pop(0)
+            self._reserved[group.group_id] = need
+            self._submit(group, group.beams[0], req)
 
     def _request(self, group: _Group, beam: _Beam, token_ids: list[int], num_computed: int, first: bool = False) -> Request:
         rid = f"{group.group_id}-beam{next(self._ids)}"
@@ -289,6 +306,8 @@ class BeamSearch:
 
     def _finish(self, group: _Group) -> None:
         del self.groups[group.group_id]
+        self._reserved.pop(group.group_id, None)
+        self._start_waiting()
         p = group.params
         outputs = []
         n = len(group.prompt_token_ids)
@@ -308,10 +327,13 @@ class BeamSearch:
         group = self.groups.pop(group_id, None)
         if group is None:
             return None
+        self._waiting = [w for w in self._waiting if w[0] is not group]
+        self._reserved.pop(group_id, None)
         for rid in list(group.requests):
             self._by_request.pop(rid, None)
             self.scheduler.end(rid, RequestStatus.FINISHED_ABORTED)
         self._release(group.beams)
+        self._start_waiting()
         out = RequestOutput(group_id, group.prompt, group.prompt_token_ids,
                             [CompletionOutput(0, "", [], finish_reason="abort")], finished=True)  # fmt: skip
         self._ready.append(out)

@@ -182,3 +182,30 @@ def test_a_search_that_cannot_fit_the_pool_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="KV blocks"):  # one beam fits (4 + 40 tokens = 11 blocks), 4 do not
         engine.add_beam_search({"prompt_token_ids": PROMPT[:4]}, BeamSearchParams(beam_width=4, max_tokens=40))
     assert not engine.has_unfinished_requests()
+
+
+def test_searches_that_fit_only_one_at_a_time_run_one_after_another():
+    """Two searches that each fit the pool alone but not together (the default model, 14 blocks
+    of 16 tokens): the second waits until the first ends. Before, both started, filled the pool
+    with beams waiting for their siblings, and the engine spun forever with nothing scheduled
+    (found by an adversarial session). Both give what they give alone; every block comes back."""
+    params = BeamSearchParams(beam_width=3, max_tokens=30)
+    texts = ["The history of the Roman Empire spans many centuries and includes " * 3, "1 2 3 4 5 6 7 8 9 10 " * 3]
+    engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=14), log_stats_interval=0)
+
+    def run(which: list[int]) -> dict[int, list[list[int]]]:
+        ids = {engine.add_beam_search(texts[i], params): i for i in which}
+        got: dict[int, list[list[int]]] = {}
+        for _ in range(1000):  # ~30 steps a search; a deadlock never ends
+            for out in engine.step():
+                if out.finished and out.request_id in ids:
+                    got[ids[out.request_id]] = [c.token_ids for c in out.outputs]
+            if not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests(), "the searches deadlocked"
+        engine.kv_cache_manager.check_integrity()
+        assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+        return got
+
+    alone = {**run([0]), **run([1])}
+    assert run([0, 1]) == alone and len(alone) == 2
