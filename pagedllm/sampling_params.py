@@ -85,7 +85,11 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
             raise ValueError("structured_outputs.structural_tag must be a dict or a JSON string")
-        if len(self.spec) > MAX_CONSTRAINT_CHARS:
+        try:
+            size = len(self.spec)
+        except (RecursionError, ValueError, TypeError) as e:  # nested past the JSON encoder's depth, a cycle, a non-JSON value
+            raise ValueError(f"structured_outputs.{self.kind} cannot be written as JSON: {type(e).__name__}") from None
+        if size > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"structured_outputs.{self.kind} is larger than {MAX_CONSTRAINT_CHARS} characters")
 
     @property

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagedllm.engine.input_processor import require_text
+
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -51,6 +53,8 @@ def render_chat(
     """
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model has none")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"tools must be a list of tool objects, got {type(tools).__name__}")
     messages = normalize_messages(messages)
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if tools and isinstance(template, str) and "tools" not in template:
@@ -75,7 +79,7 @@ def render_chat(
         )
     except Exception as e:  # template errors (jinja) are the caller's input problem
         raise ValueError(f"could not apply the chat template: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(require_text(text, "messages"), add_special_tokens=False)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

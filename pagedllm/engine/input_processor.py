@@ -49,6 +49,8 @@ class InputProcessor:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(params.n, int) or isinstance(params.n, bool) or params.n < 1:  # (set after construction)
+            raise ValueError(f"n must be at least 1, got {params.n!r}")
         params.check_vocab(self.vocab_size)
         if params.n > self.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.max_num_seqs})")
@@ -80,7 +82,7 @@ class InputProcessor:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(require_text(prompt, "prompt")))
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -101,8 +103,19 @@ class InputProcessor:
         """Token ids of each bad word, with and without a leading space (as vLLM)."""
         out: list[list[int]] = []
         for word in words:
+            require_text(word, "bad_words")
             for variant in (word, " " + word.lstrip()):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+
+def require_text(value: str, field: str) -> str:
+    """``value`` if it is text; a lone UTF-16 surrogate (Python strings and JSON escapes can
+    hold one) is not, and the tokenizer would fail on it with a TypeError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} contains a lone surrogate (U+{ord(value[e.start]):04X} at index {e.start}), which is not text") from None
+    return value

@@ -121,9 +121,7 @@ class LLM:
         All prompts are validated before any is queued, so one bad prompt raises a
         ValueError and leaves the engine as it was.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -165,8 +163,7 @@ class LLM:
         prompt, ``params.beam_width`` sequences best first, sharing their prefixes' KV blocks."""
         from pagedllm.engine.beam_search import to_beam_search_output
 
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if self.data_parallel is not None:
             raise ValueError("beam_search runs on one engine; data_parallel_size > 1 is not supported here")
         engine = self.llm_engine
@@ -207,3 +204,12 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
+
+
+def _prompt_list(prompts: Any) -> list:
+    """One prompt (a string or a dict) or a list of them, as a list; ValueError otherwise."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")

@@ -234,3 +234,32 @@ def test_swap_preemption_keeps_outputs(tiny_llama, llm, tmp_path, swap_path):
     assert [outs[k].outputs[0].token_ids for k in sorted(outs, key=int)] == expected
     kv = engine.kv_cache_manager
     assert kv.num_free_blocks == 8 and kv.swap_pool.num_free_blocks == kv.swap_pool.num_blocks
+
+
+def test_odd_python_inputs_are_value_errors_naming_the_field(tiny_llama_tok):
+    """Inputs only Python callers can send (found by an adversarial session; each used to be a
+    TypeError, IndexError or RecursionError from deeper down). The engine works on after each."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(str(tiny_llama_tok), dtype="float32", num_kv_blocks=NUM_BLOCKS, max_model_len=256, log_stats_interval=1e9)
+    zero_n = SamplingParams(max_tokens=3)
+    zero_n.n = 0  # set after construction
+    cases = [
+        (lambda: llm.generate("hi \ud800", use_tqdm=False), "prompt contains a lone surrogate"),
+        (lambda: llm.generate("hi", SamplingParams(bad_words=["\ud800"]), use_tqdm=False), "bad_words"),
+        (lambda: llm.chat([{"role": "user", "content": "\udc00"}], use_tqdm=False), "messages contains a lone surrogate"),
+        (lambda: llm.chat([{"role": "user", "content": "hi"}], tools="x", use_tqdm=False), "tools must be a list"),
+        (lambda: llm.generate(None), "prompts must be"),
+        (lambda: llm.generate("hi", zero_n, use_tqdm=False), "n must be at least 1"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    deep: dict = {"type": "string"}
+    for _ in range(3000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        StructuredOutputsParams(json=deep)
+    (out,) = llm.generate(tok([1, 2, 3]), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    assert_all_blocks_free(llm)
