@@ -29,22 +29,18 @@ from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.protocol import (
-    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    param_of,
 )
 from pagedllm.entrypoints.openai.serving import OpenAIServing, RequestFailedError
 
 logger = logging.getLogger("pagedllm.server")
 
-_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(UNSUPPORTED_FIELDS) | {
-    "stop_token_ids", "allowed_token_ids", "logit_bias", "max_tokens", "n", "temperature", "top_p", "top_k",
-    "best_of", "stream_options.continuous_usage_stats", "response_format", "bad_words", "priority", "seed",
-}  # fmt: skip
 # Routes anyone may call even when an API key is set: they do no work and reveal nothing.
 _OPEN_PATHS = {"/health", "/version"} | DASHBOARD_PATHS
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
@@ -98,20 +94,6 @@ def error_response(
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-# Engine-side names of request fields (the input processor sees a prompt as its token ids).
-_FIELD_ALIASES = {"prompt_token_ids": "prompt"}
-
-
-def _param_of(message: str) -> str | None:
-    """Our ValueErrors start with the offending field's name."""
-    word = message.split(" ", 1)[0].strip("'\":,")
-    word = _FIELD_ALIASES.get(word, word)
-    if word in _FIELDS:
-        return word
-    head = word.split(".", 1)[0].split("[", 1)[0]  # "tools[0].function.name" -> "tools"
-    return head if head in _FIELDS else None
 
 
 async def _send_error(send: Any, status: int, message: str, type_: str) -> None:
@@ -221,7 +203,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc), "BadRequestError", _param_of(str(exc)))
+        return error_response(400, str(exc), "BadRequestError", param_of(str(exc)))
 
     @app.exception_handler(EngineOverloadedError)
     async def _overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:

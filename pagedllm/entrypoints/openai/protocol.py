@@ -314,3 +314,24 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str
     lora_int_id: int | None = None
+
+
+# Request fields a ValueError's message may start with.
+_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(UNSUPPORTED_FIELDS) | {
+    "stop_token_ids", "allowed_token_ids", "logit_bias", "max_tokens", "n", "temperature", "top_p", "top_k",
+    "best_of", "stream_options.continuous_usage_stats", "response_format", "bad_words", "priority", "seed",
+}  # fmt: skip
+
+# Engine-side names of request fields (the input processor sees a prompt as its token ids).
+_FIELD_ALIASES = {"prompt_token_ids": "prompt"}
+
+
+def param_of(message: str) -> str | None:
+    """The request field a ValueError's message names (ours start with it), for the error
+    body's ``param``; None when it names none."""
+    word = message.split(" ", 1)[0].strip("'\":,")
+    word = _FIELD_ALIASES.get(word, word)
+    if word in _FIELDS:
+        return word
+    head = word.split(".", 1)[0].split("[", 1)[0]  # "tools[0].function.name" -> "tools"
+    return head if head in _FIELDS else None

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.chat import render_chat
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, param_of
 from pagedllm.entrypoints.openai.tool_parsers import StreamingToolCalls, ToolCall, get_tool_parser
 from pagedllm.entrypoints.openai.tools import ToolChoice, resolve_tool_choice
 from pagedllm.lora.request import LoRARequest
@@ -60,11 +60,6 @@ class RequestRejectedError(ValueError):
     """The engine found the request invalid after accepting it (e.g. a constraint that admits
     no output, known only once compiled): a 400 like any ValueError, naming the field."""
 
-    def __init__(self, message: str):
-        super().__init__(message)
-        # Engine messages start with the field ("structured_outputs.json admits no output ...").
-        self.param = message.split(" ", 1)[0].split(".", 1)[0] or None
-
 
 async def _checked(request_id: str, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
     """Pass outputs through; an output the engine ended with an error raises RequestRejectedError
@@ -96,7 +91,7 @@ def stream_error_event(error: BaseException, request_id: str) -> str:
     if isinstance(error, EngineDeadError):
         body = {"message": "the engine is unavailable; retry later", "type": "ServiceUnavailableError", "code": 503}
     elif isinstance(error, RequestRejectedError):
-        body, param = {"message": str(error), "type": "BadRequestError", "code": 400}, error.param
+        body, param = {"message": str(error), "type": "BadRequestError", "code": 400}, param_of(str(error))
     else:
         body = {"message": f"internal error (request id {request_id})", "type": "InternalServerError", "code": 500}
     return _sse({"error": {**body, "param": param}})
