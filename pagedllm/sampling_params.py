@@ -119,9 +119,8 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     ``temperature=0`` is greedy decoding. ``seed`` gives the request its own random
-    generator, so its samples do not depend on what else is in the batch (one exception: with
-    speculative decoding, a preemption - which the batch causes - changes which drafts are
-    verified and so the draws; greedy output is unaffected). ``top_k`` of 0
+    generator, so its samples do not depend on what else is in the batch, on preemption, or on
+    speculative decoding (each output token takes one draw, drafted or not). ``top_k`` of 0
     or -1 turns top-k off. ``presence_penalty``/``frequency_penalty`` count generated tokens
     only (OpenAI semantics); ``repetition_penalty`` counts prompt and generated tokens
     (Hugging Face semantics). ``logprobs=k`` returns the top-k log-probabilities of the

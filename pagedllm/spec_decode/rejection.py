@@ -6,11 +6,19 @@ argmax and then emit the target's own token, so the output is token for token wh
 one token at a time gives (the logits of a row do not depend on the batch: docs/determinism.md).
 
 Sampling rows use the rejection rule of Leviathan et al. / Chen et al. (2023) with a draft
-distribution q. Our proposers are deterministic (q is a point mass on d_j), so: accept d_j with
-probability p_j(d_j); on rejection draw from p_j with d_j removed, renormalised; after k
-acceptances draw a bonus token from p_k. Then P(token = x) = p(d)[x = d] + (1 - p(d)) p(x)[x != d]
-/ (1 - p(d)) = p(x): exactly the target distribution (temperature, top-k, top-p and min-p
-applied first, as the sampler does). Draws come from the request's own generator when seeded.
+distribution q. Our proposers are deterministic (q is a point mass on d_j), and for a point mass
+the rule is: accept d_j with probability p_j(d_j); on rejection draw from p_j with d_j removed,
+renormalised; after k acceptances draw a bonus token from p_k. We realise it by drawing: row j
+draws its token x_j from p_j with its own uniform, exactly as plain sampling would, and d_j is
+accepted when x_j = d_j. Then P(accept) = p_j(d_j), and a rejected row's token is distributed as
+p_j without d_j: the same rule, so the output follows the target distribution exactly
+(temperature, top-k, top-p and min-p applied first, as the sampler does).
+
+The drawing form also means a request's j-th output token always comes from its j-th uniform.
+A seeded request takes one uniform from its generator per emitted token (the uniforms of rows
+past a rejection are given back), as in plain decoding, so its samples are the very tokens of
+plain decoding, whatever was drafted: speculation, preemption and the batch change speed, never
+a seeded request's output.
 """
 
 from __future__ import annotations
@@ -60,47 +68,51 @@ def verify_sampled(
 ) -> list[list[int]]:
     """The tokens of sampled requests (request i: draft ``drafts[i]``, rows from ``starts[i]``).
 
-    Each request takes ``len(draft) + 1`` uniforms from its generator however many drafts are
-    accepted: one per draft for its acceptance test, the last for the one draw. Natively where
-    the row kernels run (``ops.verify_rows``: only the rows up to the first rejection are
-    filtered), else by the torch rule (``accept_sampled``); both give the same tokens."""
+    Row j of a request draws with the request's j-th uniform; a seeded request's generator is
+    then wound back to have given exactly one uniform per emitted token. Natively where the row
+    kernels run (``ops.verify_rows``: only the rows up to the first rejection are filtered),
+    else by the torch rule (``accept_sampled``); both give the same tokens."""
     if not drafts:
         return []
     u = torch.zeros(masked.shape[0], dtype=torch.float64)
-    for draft, start in zip(drafts, starts):
-        g = batch.generators[start] or sampler.generator
+    rewind: list[tuple[int, torch.Generator, torch.Tensor]] = []  # (request, its generator, state before)
+    for i, (draft, start) in enumerate(zip(drafts, starts)):
+        g = batch.generators[start]
+        if g is not None and draft:
+            rewind.append((i, g, g.get_state()))
+        g = g or sampler.generator
         u[start : start + len(draft) + 1] = torch.rand(len(draft) + 1, generator=g, dtype=torch.float64,
                                                        device=g.device).cpu()  # fmt: skip
     if not ops.native_rows(masked):
         probs, u = sampler.probs(masked, batch), u.to(masked.device)
-        return [accept_sampled(d, probs[s : s + len(d) + 1], u[s : s + len(d) + 1]) for d, s in zip(drafts, starts)]
-    draft_rows = torch.full((masked.shape[0],), -1, dtype=torch.int64)
-    for draft, start in zip(drafts, starts):
-        draft_rows[start : start + len(draft)] = torch.tensor(draft, dtype=torch.int64)
-    out = ops.verify_rows(
-        masked, torch.tensor(starts), torch.tensor([len(d) + 1 for d in drafts]), draft_rows,
-        *filter_params(batch, masked.shape[0]), u,
-    ).tolist()  # fmt: skip
-    result = []
-    for draft, start in zip(drafts, starts):
-        emitted = out[start : start + len(draft) + 1]
-        result.append(emitted[: emitted.index(-1)] if -1 in emitted else emitted)
+        result = [accept_sampled(d, probs[s : s + len(d) + 1], u[s : s + len(d) + 1]) for d, s in zip(drafts, starts)]
+    else:
+        draft_rows = torch.full((masked.shape[0],), -1, dtype=torch.int64)
+        for draft, start in zip(drafts, starts):
+            draft_rows[start : start + len(draft)] = torch.tensor(draft, dtype=torch.int64)
+        out = ops.verify_rows(
+            masked, torch.tensor(starts), torch.tensor([len(d) + 1 for d in drafts]), draft_rows,
+            *filter_params(batch, masked.shape[0]), u,
+        ).tolist()  # fmt: skip
+        result = []
+        for draft, start in zip(drafts, starts):
+            emitted = out[start : start + len(draft) + 1]
+            result.append(emitted[: emitted.index(-1)] if -1 in emitted else emitted)
+    for i, g, state in rewind:
+        if len(result[i]) <= len(drafts[i]):  # rows past the rejection: their uniforms go back
+            g.set_state(state)
+            torch.rand(len(result[i]), generator=g, dtype=torch.float64, device=g.device)
     return result
 
 
 def accept_sampled(draft: list[int], p: torch.Tensor, u: torch.Tensor) -> list[int]:
     """The torch rule. ``p``: [len(draft) + 1, vocab] target probabilities; ``u``: the request's
-    len(draft) + 1 uniforms (float64)."""
+    len(draft) + 1 uniforms (float64). Row j draws with u[j]; the draft stands while it is the draw."""
     out: list[int] = []
-    for j, d in enumerate(draft):
-        if u[j] < p[j, d]:
-            out.append(d)
-            continue
-        residual = p[j].clone()
-        residual[d] = 0
-        out.append(int(inverse_cdf(residual[None], u[-1:])[0]))  # inverse_cdf needs no normalisation
-        return out
-    out.append(int(inverse_cdf(p[-1][None], u[-1:])[0]))
+    for j in range(len(draft) + 1):
+        out.append(int(inverse_cdf(p[j][None], u[j : j + 1])[0]))
+        if j == len(draft) or out[-1] != draft[j]:
+            break
     return out
 
 

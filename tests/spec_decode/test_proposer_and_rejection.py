@@ -232,6 +232,33 @@ def test_verification_keeps_the_target_distribution(temperature, top_k, draft, n
     assert all(1 <= len(t) <= 3 and t[: len(t) - 1] == draft[: len(t) - 1] for t in tokens)
 
 
+def test_a_seeded_request_draws_the_plain_samplers_tokens_one_uniform_per_token(native_or_torch):
+    """Row j draws with the request's j-th uniform, as plain sampling would, and the generator
+    gives back the uniforms of rows past a rejection: a seeded request's tokens and its random
+    stream are those of decoding one token at a time, whatever was drafted."""
+    from pagedllm.spec_decode.rejection import verify_drafts
+
+    gen = torch.Generator().manual_seed(0)
+    emitted_lengths = set()
+    for trial in range(40):
+        k = trial % 5
+        logits = torch.randn(k + 1, 300, generator=gen) * 3
+        drafts = [int(t) for t in logits[:k].argmax(dim=-1)]  # likely, so some are accepted
+        if trial % 3 == 0 and k:
+            drafts[k // 2] = 299  # and some rejected
+        params = dict(temperatures=torch.full((k + 1,), 0.8), top_k=torch.full((k + 1,), 50), num_logprobs=[None] * (k + 1))
+        g = torch.Generator().manual_seed(100 + trial)
+        tokens, _ = verify_drafts(Sampler(0), logits, SamplingBatch(generators=[g] * (k + 1), **params), [drafts])
+        emitted_lengths.add((len(tokens[0]), k))
+        plain_g, plain = torch.Generator().manual_seed(100 + trial), []
+        for j in range(len(tokens[0])):  # one token at a time, each row alone
+            one = dict(temperatures=params["temperatures"][:1], top_k=params["top_k"][:1], num_logprobs=[None])
+            plain.append(Sampler(0)(logits[j : j + 1], SamplingBatch(generators=[plain_g], **one)).token_ids[0])
+        assert tokens[0] == plain, f"trial {trial}"
+        assert torch.equal(g.get_state(), plain_g.get_state())  # one uniform per emitted token
+    assert any(n == k + 1 for n, k in emitted_lengths if k) and any(n <= k for n, k in emitted_lengths)
+
+
 def test_greedy_verification_accepts_while_the_draft_is_the_argmax():
     from pagedllm.spec_decode.rejection import verify_drafts
 

@@ -185,13 +185,6 @@ bool filtered_weights(RowScratch& s, const float* x, int64_t vocab, float temper
     return true;
 }
 
-double row_total(const float* w, int64_t n) {
-    double total = 0.0;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; j++) total += w[j];
-    return total;
-}
-
 }  // namespace
 
 // One token per row of `logits` (rows x vocab, row stride `logits_stride`), every temperature
@@ -211,11 +204,11 @@ void sample_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, i
 
 // Speculative verification of sampled requests (the rule of pagedllm/spec_decode/rejection.py,
 // whose torch code is the reference). Request i owns rows first_row[i] .. + num_rows[i] - 1 of
-// `logits`; draft[r] is the token drafted at row r (every row but a request's last). Row r's
-// draft d is accepted when u[r] < p_r(d), p_r the filtered distribution of the row; the first
-// rejected row draws from p_r with d removed, or, all drafts accepted, the last row draws from its
-// own p: both with the request's last uniform. out[r] is the token emitted at row r, -1 for the
-// rows after the draw. Only the rows up to the first rejection are filtered at all.
+// `logits`; draft[r] is the token drafted at row r (every row but a request's last). Each row
+// draws its token from its filtered distribution p_r with its own uniform u[r], as
+// sample_rows_f32 does; the draft is accepted when the draw equals it (probability p_r(d); a
+// rejection's draw is then distributed as p_r with d removed). out[r] is the token emitted at
+// row r, -1 for the rows after the first rejection, which are never filtered at all.
 void verify_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, int64_t vocab,
                      const int64_t* first_row, const int64_t* num_rows, int64_t num_requests, const int64_t* draft,
                      const float* temperature, const float* min_p, const int64_t* top_k, const float* top_p,
@@ -225,7 +218,6 @@ void verify_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, i
         RowScratch& s = row_scratch(vocab);
         float* w = s.w.data();
         const int64_t first = first_row[i], last = first + num_rows[i] - 1;
-        const double u_draw = u[last];
         for (int64_t r = first; r <= last; r++) out[r] = -1;
         for (int64_t r = first; r <= last; r++) {
             const float* x = logits + r * logits_stride;
@@ -233,17 +225,11 @@ void verify_rows_f32(int64_t* out, const float* logits, int64_t logits_stride, i
                 out[r] = 0;  // nothing allowed: never asked for
                 break;
             }
-            if (r < last) {
-                const int64_t d = draft[r];
-                PAGEDLLM_CHECK(d >= 0 && d < vocab, "draft token %lld outside the vocabulary", (long long)d);
-                if (u[r] * row_total(w, vocab) < double(w[d])) {
-                    out[r] = d;
-                    continue;
-                }
-                w[d] = 0.f;  // (d cannot hold all the mass here: then u < 1 = p(d) accepts it)
-            }
-            out[r] = draw(w, vocab, u_draw);
-            break;
+            out[r] = draw(w, vocab, u[r]);
+            if (r == last) break;
+            const int64_t d = draft[r];
+            PAGEDLLM_CHECK(d >= 0 && d < vocab, "draft token %lld outside the vocabulary", (long long)d);
+            if (out[r] != d) break;
         }
     }
 }
