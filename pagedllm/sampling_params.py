@@ -29,6 +29,16 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _token_key(k: Any) -> int:
+    """A logit_bias key: a token id, as an integer or a string of one (JSON's object keys are
+    strings); 1.7 or True are refused rather than taken as token 1."""
+    if _is_int(k):
+        return k
+    if isinstance(k, str) and k.strip().lstrip("+-").isdigit():
+        return int(k)
+    raise ValueError(f"logit_bias keys must be token ids (integers, or strings of them), got {k!r}")
+
+
 def _is_number(x: Any) -> bool:
     """A finite real number (NaN and infinities are refused everywhere)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -85,6 +95,10 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
             raise ValueError("structured_outputs.structural_tag must be a dict or a JSON string")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {value!r}")
         try:
             size = len(self.spec)
         except (RecursionError, ValueError, TypeError) as e:  # nested past the JSON encoder's depth, a cycle, a non-JSON value
@@ -120,7 +134,9 @@ class SamplingParams:
 
     ``temperature=0`` is greedy decoding. ``seed`` gives the request its own random
     generator, so its samples do not depend on what else is in the batch, on preemption, or on
-    speculative decoding (each output token takes one draw, drafted or not). ``top_k`` of 0
+    speculative decoding (each output token takes one draw, drafted or not). torch's CPU
+    generator keeps only the seed's low 32 bits, so seeds equal modulo 2**32 (e.g. -1 and
+    2**32 - 1) draw alike. ``top_k`` of 0
     or -1 turns top-k off. ``presence_penalty``/``frequency_penalty`` count generated tokens
     only (OpenAI semantics); ``repetition_penalty`` counts prompt and generated tokens
     (Hugging Face semantics). ``logprobs=k`` returns the top-k log-probabilities of the
@@ -219,12 +235,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
-            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):  # NaN fails this too
-                raise ValueError("logit_bias values must be in [-100, 100]")
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+            if any(not _is_number(v) or not -100 <= v <= 100 for v in self.logit_bias.values()):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {self.logit_bias!r}")
+            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:

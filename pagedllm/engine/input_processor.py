@@ -15,6 +15,7 @@ from pagedllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, Struc
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text alongside).
 PromptType = str | Mapping[str, Any]
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 
 
 @dataclass
@@ -43,6 +44,9 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        # The longest prompt + output the KV pool lets one request reach (set by the engine):
+        # a request without max_tokens generates up to it rather than being refused.
+        self.longest_context = max_model_len
 
     def process(self, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0) -> ProcessedRequest:
         """Raises ValueError naming the field on bad input."""
@@ -68,7 +72,7 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         if params.max_tokens is None:
-            params = replace(params, max_tokens=self.max_model_len - len(ids))
+            params = replace(params, max_tokens=max(1, min(self.max_model_len, self.longest_context) - len(ids)))
         elif len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
@@ -77,6 +81,10 @@ class InputProcessor:
         return ProcessedRequest(text, ids, params, priority, self._bad_words_ids(params.bad_words or []))
 
     def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping) and (unknown := sorted(map(repr, set(prompt) - PROMPT_KEYS))):
+            # (a misspelt key would otherwise be dropped without a word)
+            raise ValueError(f"prompt has unknown keys {', '.join(unknown)}: a prompt dict takes 'prompt' and/or "
+                             "'prompt_token_ids'")  # fmt: skip
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

@@ -146,8 +146,10 @@ class LLMEngine:
         logger.info("config: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
         layout = sizes.layout
         # The same report as `pagedllm estimate` (engine/capacity.py), with this engine's choices.
-        for line in startup_report(config, self.source, self.max_model_len, loaded_dense, native_available()).lines()[1:]:
+        capacity = startup_report(config, self.source, self.max_model_len, loaded_dense, native_available())
+        for line in capacity.lines()[1:]:
             logger.info("%s", line)
+        self.processor.longest_context = capacity.kv.longest_context
         for report in self.executor.worker_reports if config.world_size > 1 else ():
             logger.info("worker %d (tp rank %d, pp rank %d): %d query / %d KV heads, %d layers, weights %.1f MiB, "
                         "RSS %.1f MiB, %d threads on cpus %s", report["rank"], report["tp_rank"], report["pp_rank"],

@@ -251,6 +251,13 @@ def test_odd_python_inputs_are_value_errors_naming_the_field(tiny_llama_tok):
         (lambda: llm.chat([{"role": "user", "content": "hi"}], tools="x", use_tqdm=False), "tools must be a list"),
         (lambda: llm.generate(None), "prompts must be"),
         (lambda: llm.generate("hi", zero_n, use_tqdm=False), "n must be at least 1"),
+        (lambda: llm.generate({"prompt": "hi", "promt_token_ids": [1]}, use_tqdm=False), "unknown keys 'promt_token_ids'"),
+        (lambda: SamplingParams(logit_bias={1.7: 5.0}), "logit_bias keys must be token ids"),
+        (lambda: SamplingParams(logit_bias={True: 5.0}), "logit_bias keys must be token ids"),
+        (lambda: SamplingParams(logit_bias={3: "5"}), "logit_bias values"),
+        (lambda: StructuredOutputsParams(json_object=True, disable_any_whitespace="yes"), "disable_any_whitespace"),
+        (lambda: LLM(str(tiny_llama_tok), max_model_len=True), "max_model_len must be a positive integer"),
+        (lambda: LLM(str(tiny_llama_tok), kv_cache_space=True), "kv_cache_space"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -260,6 +267,17 @@ def test_odd_python_inputs_are_value_errors_naming_the_field(tiny_llama_tok):
         deep = {"type": "array", "items": deep}
     with pytest.raises(ValueError, match="structured_outputs.json"):
         StructuredOutputsParams(json=deep)
+    assert SamplingParams(logit_bias={"12": 1}).logit_bias == {12: 1.0}  # JSON's string keys
     (out,) = llm.generate(tok([1, 2, 3]), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
     assert_all_blocks_free(llm)
+
+
+def test_without_max_tokens_a_request_runs_to_the_longest_context_the_pool_holds(tiny_llama_tok):
+    """max_tokens=None means "up to the limit": the KV pool's when it holds less than
+    max_model_len (was refused: the request asked for max_model_len's blocks)."""
+    llm = LLM(str(tiny_llama_tok), dtype="float32", num_kv_blocks=4, max_model_len=256, log_stats_interval=1e9)
+    outs = llm.generate([tok([1, 2, 3])] * 2, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4 * 16 - 3] * 2
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == 4
