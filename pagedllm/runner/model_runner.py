@@ -34,6 +34,9 @@ from pagedllm.spec_decode.rejection import verify_drafts
 from pagedllm.scheduler.output import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
+SPEC_HISTORY = ("spec_hits", "spec_misses", "spec_backoff", "spec_skip", "spec_drafted")
+
+
 @dataclass
 class CachedRequestState:
     """What the runner knows about a running request, kept across steps."""
@@ -135,6 +138,7 @@ class ModelRunner:
             model.lora_context = self.lora.context
         # Seeded requests' generators; they outlive a preemption (the stream goes on).
         self._generators: dict[str, torch.Generator] = {}
+        self._spec_history: dict[str, tuple] = {}  # preempted requests' SPEC_HISTORY fields
         self.kv_connector: WorkerConnector | None = None  # set by the engine (kv_transfer_config)
         # False on a pipeline stage before the last: its model returns no hidden states, it
         # samples nothing and learns the step's tokens through ``accept`` (executor/worker.py).
@@ -149,14 +153,19 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
             self._generators.pop(req_id, None)
+            self._spec_history.pop(req_id, None)
         for req_id in out.preempted_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:  # its drafting history resumes with it (the policy need not relearn)
+                self._spec_history[req_id] = tuple(getattr(state, f) for f in SPEC_HISTORY)
         if self.proposer is not None:
             for req_id in (*out.finished_req_ids, *out.preempted_ids):
                 self.proposer.forget(req_id)
         for s in out.scheduled:
             if s.new is not None:
-                self.requests[s.req_id] = CachedRequestState.from_new(s.new)
+                state = self.requests[s.req_id] = CachedRequestState.from_new(s.new)
+                for f, value in zip(SPEC_HISTORY, self._spec_history.pop(s.req_id, ())):
+                    setattr(state, f, value)
         self.move_blocks(out)
 
     def _generator(self, req: CachedRequestState) -> torch.Generator | None:

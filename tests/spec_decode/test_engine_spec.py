@@ -194,3 +194,28 @@ def test_bad_draft_models_are_value_errors(tiny_llama_tok, tmp_path):
     other_vocab = save_tiny_model(tmp_path / "v256", vocab_size=256)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(tiny_llama_tok), speculative_config={"model": str(other_vocab)})
+
+
+def test_a_preempted_request_resumes_with_its_drafting_history(tiny_llama_tok):
+    """The runner forgets a preempted request and relearns it on resume; the drafting policy's
+    history (acceptance estimate, back-off) comes back with it, so the request drafts as it
+    would have, instead of starting over from the prior. A finished request's history goes."""
+    from pagedllm.runner.model_runner import SPEC_HISTORY
+    from pagedllm.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+
+    llm = LLM(str(tiny_llama_tok), dtype="float32", num_kv_blocks=8, speculative_config=SPEC, log_stats_interval=1e9)
+    runner = llm.llm_engine.runner
+    new = NewRequestData("r", [1, 2, 3], [], SamplingParams(temperature=0), frozenset(), [])
+    learn = SchedulerOutput(scheduled=[ScheduledRequest("r", 3, 0, [0], True, new)])
+    runner.update_states(learn)
+    history = (7.5, 1.25, 8, 3, 2)
+    for f, value in zip(SPEC_HISTORY, history):
+        setattr(runner.requests["r"], f, value)
+    runner.update_states(SchedulerOutput(preempted_ids=["r"]))
+    assert "r" not in runner.requests
+    runner.update_states(learn)
+    assert tuple(getattr(runner.requests["r"], f) for f in SPEC_HISTORY) == history
+    runner.update_states(SchedulerOutput(preempted_ids=["r"]))
+    runner.update_states(SchedulerOutput(finished_req_ids={"r"}))  # aborted while waiting
+    runner.update_states(learn)  # (a new request that reuses the id starts afresh)
+    assert tuple(getattr(runner.requests["r"], f) for f in SPEC_HISTORY) == (0.0, 0.0, 0, 0, 0)
