@@ -34,7 +34,7 @@ def _token_key(k: Any) -> int:
     strings); 1.7 or True are refused rather than taken as token 1."""
     if _is_int(k):
         return k
-    if isinstance(k, str) and k.strip().lstrip("+-").isdigit():
+    if isinstance(k, str) and len(k) <= 24 and k.strip().lstrip("+-").isdecimal():
         return int(k)
     raise ValueError(f"logit_bias keys must be token ids (integers, or strings of them), got {k!r}")
 
