@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MIN_REPETITION_PENALTY = 0.01  # 1 = off; below 1 favours repeating
 MAX_LOGPROBS = 20
 # Bounds on what one request may bring, checked before anything is allocated for it. They are
 # far above any real use and keep a hostile request from costing the engine memory or time.
@@ -204,8 +205,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty < MIN_REPETITION_PENALTY:
+            # (dividing logits by a tinier one overflows them to infinity)
+            raise ValueError(f"repetition_penalty must be a finite number of at least {MIN_REPETITION_PENALTY}, "
+                             f"got {self.repetition_penalty!r}")  # fmt: skip
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
             raise ValueError(f"max_tokens must be an integer in [1, {INT64_MAX}], got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:

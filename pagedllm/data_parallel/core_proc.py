@@ -52,6 +52,7 @@ class EngineFacts:
     max_model_len: int
     num_kv_blocks: int
     pid: int
+    longest_context: int  # the longest prompt + output the replica's KV pool holds
 
 
 @dataclass
@@ -200,7 +201,7 @@ def run_replica(rank: int, size: int, config: EngineConfig, share: CpuShare, con
 
         engine = LLMEngine(config, log_stats_interval=log_stats_interval)
         facts = EngineFacts(engine.source, engine.arch, engine.eos_token_ids, engine.max_model_len,
-                            engine.kv_cache_manager.num_blocks, os.getpid())  # fmt: skip
+                            engine.kv_cache_manager.num_blocks, os.getpid(), engine.processor.longest_context)  # fmt: skip
         conn.send(("ready", facts))
         logger.info("data-parallel replica %d/%d ready (pid %d, %d threads%s)", rank, size, os.getpid(),
                     share.num_threads, f", cores {list(share.cpus)}" if share.cpus else "")  # fmt: skip

@@ -33,6 +33,7 @@ class EngineFrontend:
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                         validate_structured=self.structured.validate)  # fmt: skip
+        self.processor.longest_context = facts.longest_context
         self.output_processor = OutputProcessor(self.tokenizer)
         self.kv_connector = None  # each replica has its own; their stats arrive with the steps
         self._add_lora = add_lora

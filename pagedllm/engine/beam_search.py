@@ -347,7 +347,7 @@ class BeamSearch:
 def beam_params_from(params: SamplingParams) -> BeamSearchParams:
     """The beam search a ``SamplingParams(use_beam_search=True)`` asks for (the server's path):
     width ``best_of`` (or ``n``); what a beam search cannot honour is refused."""
-    for name in ("stop", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"):
+    for name in ("stop", "stop_token_ids", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"):
         if getattr(params, name):
             raise ValueError(f"{name} is not supported with use_beam_search")
     if params.logprobs is not None or params.prompt_logprobs is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedllm.engine.input_processor import require_text
+from pagedllm.engine.input_processor import encode_within, require_text
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -33,8 +33,23 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         out.append({**m, "content": content})
     return out
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant's earlier tool calls, OpenAI's shape: [{"function": {"name", "arguments"}}, ...]."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of tool calls")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}[{j}] must be a tool call {{'type': 'function', 'function': {{'name': ..., "
+                             "'arguments': ...}}")  # fmt: skip
+        if not isinstance(fn.get("arguments"), (str, dict)):
+            raise ValueError(f"{where}[{j}].function.arguments must be a JSON string (or an object)")
 
 
 def render_chat(
@@ -45,8 +60,10 @@ def render_chat(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    max_model_len: int | None = None,
 ) -> list[int]:
-    """Token ids of the rendered conversation (special tokens come from the template only).
+    """Token ids of the rendered conversation (special tokens come from the template only);
+    a ValueError if it has ``max_model_len`` tokens or more.
 
     ``tools`` (OpenAI function tools) go to the template; a template that never mentions
     tools (the default model's) gets them described in the system message instead.
@@ -79,7 +96,10 @@ def render_chat(
         )
     except Exception as e:  # template errors (jinja) are the caller's input problem
         raise ValueError(f"could not apply the chat template: {e}") from e
-    return tokenizer.encode(require_text(text, "messages"), add_special_tokens=False)
+    text = require_text(text, "messages")
+    if max_model_len is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return encode_within(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

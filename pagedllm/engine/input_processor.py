@@ -58,6 +58,8 @@ class InputProcessor:
         params.check_vocab(self.vocab_size)
         if params.n > self.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.max_num_seqs})")
+        if params.best_of is not None and params.best_of > self.max_num_seqs:  # best_of samples run at once, as n
+            raise ValueError(f"best_of ({params.best_of}) exceeds max_num_seqs ({self.max_num_seqs})")
         if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         if params.stop and (self.tokenizer is None or not params.detokenize):
@@ -90,7 +92,7 @@ class InputProcessor:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, list(self.tokenizer.encode(require_text(prompt, "prompt")))
+            return prompt, encode_within(self.tokenizer, require_text(prompt, "prompt"), self.max_model_len, "prompt")
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -117,6 +119,23 @@ class InputProcessor:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+
+# Ordinary text runs 3-5 characters a token; a text whose first 16 characters per allowed token
+# already make too many tokens is refused without encoding the rest.
+HEAD_CHARS_PER_TOKEN = 16
+
+
+def encode_within(tokenizer: Any, text: str, limit: int, what: str, **kwargs: Any) -> list[int]:
+    """``tokenizer.encode(text, **kwargs)``, or a ValueError when it has ``limit`` tokens or
+    more, found from the text's head where that suffices: a 15 MB prompt would otherwise hold
+    a tokenizer thread for seconds just to be refused."""
+    cut = HEAD_CHARS_PER_TOKEN * limit
+    if len(text) > cut:
+        head = tokenizer.encode(text[:cut], **kwargs)
+        if len(head) > limit:  # (a token or two at the cut may merge differently: hence > limit)
+            raise ValueError(f"{what} is longer than max_model_len ({limit} tokens): at least {len(head) - 1} tokens")
+    return list(tokenizer.encode(text, **kwargs))
 
 
 def require_text(value: str, field: str) -> str:

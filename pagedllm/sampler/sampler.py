@@ -237,6 +237,15 @@ class Sampler:
             logits[row].masked_fill_(~keep, float("-inf"))
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
+        if batch.allowed and batch.banned:
+            # Bans (bad words, min_tokens' stop tokens) that leave no allowed token give way to
+            # allowed_token_ids, the hard limit: the output never leaves the allowed set.
+            banned_rows = {row for row, _ in batch.banned}
+            for row, ids in batch.allowed:
+                if row in banned_rows and bool(torch.isneginf(logits[row]).all()):
+                    keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+                    keep[ids] = True
+                    logits[row] = raw[row].masked_fill(~keep, float("-inf"))
         if batch.logit_bias:
             rows, toks, biases = zip(*batch.logit_bias)
             logits.index_put_(

@@ -281,3 +281,8 @@ def test_without_max_tokens_a_request_runs_to_the_longest_context_the_pool_holds
     assert [len(o.outputs[0].token_ids) for o in outs] == [4 * 16 - 3] * 2
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == 4
+    # The chat endpoint leaves max_tokens to the engine too (it used to ask for max_model_len
+    # minus the prompt, which a small pool refused: every chat request without max_tokens).
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).to_sampling_params().max_tokens is None

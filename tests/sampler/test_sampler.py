@@ -154,6 +154,17 @@ def test_logit_bias_allowed_and_banned_tokens():
     assert Sampler(0)(logits, batch).token_ids == [6, 4, 2]
 
 
+def test_bans_that_leave_no_allowed_token_give_way_to_allowed_token_ids(native_or_torch):
+    """allowed_token_ids is the hard limit: when bad words or min_tokens' bans remove every
+    allowed token, the row draws from the allowed ones (it used to emit token 0)."""
+    logits = LOGITS.repeat(3, 1)
+    batch = SamplingBatch(temperatures=torch.tensor([0.0, 1.0, 0.0]), generators=[None] * 3, num_logprobs=[None] * 3,
+                          allowed=[(0, [4, 5]), (1, [4, 5]), (2, [3, 5])], banned=[(0, [4, 5]), (1, [5, 4]), (2, [3])])  # fmt: skip
+    for seed in range(20):
+        tokens = Sampler(seed)(logits, batch).token_ids
+        assert tokens[0] == 4 and tokens[1] in (4, 5) and tokens[2] == 5  # row 2: the ban still holds
+
+
 def test_seeded_rows_do_not_depend_on_the_batch():
     g1 = torch.Generator().manual_seed(7)
     g2 = torch.Generator().manual_seed(7)

@@ -273,12 +273,13 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
+        """Without max_tokens, the engine lets the reply run to the longest context it can hold."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs)
 
 
 class TokenizeRequest(_TextBody):

@@ -335,10 +335,11 @@ class OpenAIServing:
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tools=tools.tools if tools is not None else None,
+            max_model_len=self.max_model_len,
         )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")
-        params = req.to_sampling_params(self.max_model_len - len(prompt_ids))
+        params = req.to_sampling_params()
         constraint = tools.constraint() if tools is not None else None
         if constraint is not None:
             if params.structured_outputs is not None:
