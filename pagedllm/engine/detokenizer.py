@@ -25,6 +25,8 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._hold_back = max(0, params.max_stop_len - 1)
         self._min_tokens = params.min_tokens
+        # A stop token id ends the text without its own text (as vLLM), unless asked to keep it.
+        self._stop_ids = frozenset() if params.include_stop_str_in_output else frozenset(params.stop_token_ids)
         self.text = ""
         self._emitted = 0
         self._num_tokens = 0
@@ -33,6 +35,8 @@ class IncrementalDetokenizer:
         """Append tokens; return the stop string that ended the text, if one appeared."""
         for token_id in token_ids:
             self._num_tokens += 1
+            if token_id in self._stop_ids and self._num_tokens > self._min_tokens:
+                return None  # the request ends here (Request.check_stop)
             piece = self._stream.step(self._backend, token_id)
             if not piece:
                 continue

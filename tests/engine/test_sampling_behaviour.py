@@ -47,6 +47,12 @@ def test_stop_token_ids_keep_the_token_in_the_output(llm):
     first = ref.token_ids.index(stop_id)
     assert out.token_ids == ref.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # Its text is left out unless include_stop_str_in_output (as vLLM does).
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(ref.token_ids[:first])
+    kept = gen(llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id],
+               include_stop_str_in_output=True).outputs[0]  # fmt: skip
+    assert kept.text == tok.decode(ref.token_ids[: first + 1]) != out.text
 
 
 def test_min_tokens_masks_stop_tokens_until_reached(llm):
