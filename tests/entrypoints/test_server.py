@@ -77,6 +77,19 @@ def test_exact_usage(server, client, model):
     chat = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=5, temperature=0)
     chat_ids = httpx.post(f"{server.url}/tokenize", json={"messages": msgs}).json()["tokens"]
     assert chat.usage.prompt_tokens == len(chat_ids)
+    # /tokenize renders what chat would: continuing the last assistant message, and tools.
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    prefill = [*msgs, {"role": "assistant", "content": "One,"}]
+    ids = {name: httpx.post(f"{server.url}/tokenize", json={"messages": m, **kw}).json()["tokens"] for name, m, kw in [
+        ("cont", prefill, {"continue_final_message": True, "add_generation_prompt": False}),
+        ("closed", prefill, {"add_generation_prompt": False}),
+        ("tools", msgs, {"tools": tools})]}  # fmt: skip
+    assert ids["cont"] != ids["closed"] and len(ids["tools"]) > len(chat_ids)
+    chat = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=5, temperature=0,
+                                          tools=tools, tool_choice="required")  # fmt: skip
+    assert chat.usage.prompt_tokens == len(ids["tools"])
+    bad = httpx.post(f"{server.url}/tokenize", json={"messages": msgs, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
 
 
 def test_n_stop_logprobs_seed(client, model):

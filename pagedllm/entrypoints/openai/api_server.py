@@ -28,6 +28,7 @@ from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -192,9 +193,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('msg')}", "BadRequestError")
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", "BadRequestError", param)
+        msg = str(first.get("msg", "invalid value"))
+        if not loc:  # the whole body: not an object, or a check across fields (ours name their field)
+            if first.get("type") in ("dict_type", "model_type", "model_attributes_type"):
+                return error_response(400, "the request body must be a JSON object", "BadRequestError")
+            msg = msg.removeprefix("Value error, ")
+            return error_response(400, msg, "BadRequestError", param_of(msg))
+        return error_response(400, f"{'.'.join(loc)}: {msg}", "BadRequestError", loc[0])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -305,7 +310,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if tok is None:
             raise ValueError("this model has no tokenizer")
         if req.messages is not None:
-            ids = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+            tools = check_tools(req.tools) if req.tools is not None else None
+            ids = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                            continue_final_message=req.continue_final_message, tools=tools)  # fmt: skip
         elif req.prompt is not None:
             ids = await llm.run_in_worker(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         else:

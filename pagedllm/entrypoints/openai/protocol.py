@@ -290,6 +290,8 @@ class TokenizeRequest(_TextBody):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None  # as chat renders them (checked as chat checks them)
     return_token_strs: bool = False
 
 
