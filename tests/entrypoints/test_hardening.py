@@ -88,7 +88,7 @@ def hostile_requests(model: str) -> list[tuple[str, str, dict | bytes, set[int],
         ("guided_json invalid schema", c, {**base, "guided_json": {"type": "nonsense"}}, {400}, "structured_outputs"),
         ("guided_regex invalid", c, {**base, "guided_regex": "a(b"}, {400}, "structured_outputs"),
         ("guided_grammar syntax error", c, {**base, "guided_grammar": "root ::= ("}, {400}, "structured_outputs"),
-        ("two constraints", c, {**base, "guided_regex": "a+", "guided_choice": ["a"]}, {400}, None),
+        ("two constraints", c, {**base, "guided_regex": "a+", "guided_choice": ["a"]}, {400}, "structured_outputs"),
         ("2 MiB schema", c, {**base, "guided_json": {"description": "d" * (2 << 20)}}, {400}, "structured_outputs"),
         # Found invalid only once compiled (was: a 500).
         ("guided_json that admits no output", c, {**base, "guided_json": SELF_LOOP_SCHEMA}, {400}, "structured_outputs"),

@@ -151,7 +151,7 @@ class _SamplingFields(_TextBody):
         if fmt is not None:
             given["response_format"] = fmt
         if len(given) > 1:
-            raise ValueError(f"give at most one output constraint; got {', '.join(sorted(given))}")
+            raise ValueError(f"structured_outputs: give at most one output constraint; got {', '.join(sorted(given))}")
         return next(iter(given.values()), None)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
