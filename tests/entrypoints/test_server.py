@@ -290,6 +290,16 @@ def test_echo_with_logprobs(client, model):
     assert lp.token_logprobs[0] is None and all(isinstance(x, float) for x in lp.token_logprobs[1:])
     assert "".join(lp.tokens[: out.usage.prompt_tokens]) == prompt
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # Streamed, the same tokens and logprobs (the prompt's came only unstreamed before);
+    # logprobs=0 gives each position its own token's logprob (was {} for prompt tokens).
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True))  # fmt: skip
+    streamed = [t for ch in chunks for t in ch.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    zero = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
+    tops = zero.choices[0].logprobs.top_logprobs
+    assert tops[0] is None and all(list(t) == [tok] for t, tok in zip(tops[1:], zero.choices[0].logprobs.tokens[1:]))
 
 
 def test_bench_serve_drives_the_server(server, model, tmp_path):

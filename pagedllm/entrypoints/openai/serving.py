@@ -262,18 +262,24 @@ class OpenAIServing:
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         echoed: set[int] = set()
+        prompt_lps: dict[int, list] = {}  # delta outputs carry prompt logprobs once, early
         async for i, out in _merge(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
             for c in out.outputs:
                 idx = i * n + c.index
                 text = c.text
-                if req.echo and idx not in echoed:
+                entries: list[tuple[int, PositionLogprobs | None]] = []
+                if req.echo and idx not in echoed:  # the prompt (and its logprobs) before a sample's first text
                     echoed.add(idx)
                     text = self._prompt_text(out) + text
+                    if params.logprobs is not None:
+                        entries += list(zip(out.prompt_token_ids, prompt_lps.get(i) or [None] * len(out.prompt_token_ids)))
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = self._completion_logprobs(list(zip(c.token_ids, c.logprobs or [])), params.logprobs)
+                    logprobs = self._completion_logprobs(entries + list(zip(c.token_ids, c.logprobs or [])), params.logprobs)
                 chunk = {
                     "id": rid,
                     "object": "text_completion",
@@ -318,7 +324,8 @@ class OpenAIServing:
                 continue
             token_logprobs.append(entry[tid].logprob)
             ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            top.append({self._decode(t): lp.logprob for t, lp in ranked if lp.rank is not None and lp.rank <= max(k, 1)})
+            # The k likeliest and the token itself (as vLLM: k = 0 gives just the token).
+            top.append({self._decode(t): lp.logprob for t, lp in ranked if t == tid or (lp.rank is not None and lp.rank <= k)})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     # ------------------------------------------------------------------ chat
