@@ -64,6 +64,7 @@ def test_models_lists_adapters_with_their_parent(client, adapter_dirs):
     assert set(models) == {"tiny", "a", "b"}
     assert models["a"].parent == "tiny" and models["a"].root == str(adapter_dirs["a"])
     assert models["tiny"].parent is None
+    assert client.models.retrieve("a").parent == "tiny"
 
 
 def test_the_model_field_selects_the_adapter(client):

@@ -35,6 +35,9 @@ def client(server) -> openai.OpenAI:
 
 def test_models_health_version(server, client, model):
     assert [m.id for m in client.models.list().data] == [model]
+    assert client.models.retrieve(model).id == model  # GET /v1/models/{id}
+    missing = httpx.get(f"{server.url}/v1/models/no-such/model")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
 

@@ -259,13 +259,24 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    def model_cards() -> list[dict]:
         created = int(time.time())
         base = {"object": "model", "created": created, "owned_by": "pagedllm", "max_model_len": serving.max_model_len}
         data = [{"id": served_model_name, **base, "root": model_root, "parent": None}]
         data += [{"id": name, **base, "root": lora.lora_path, "parent": served_model_name} for name, lora in serving.loras.items()]
-        return {"object": "list", "data": data}
+        return data
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """OpenAI's retrieve-model: one card (ids may hold slashes, like a path)."""
+        card = next((c for c in model_cards() if c["id"] == model_id), None)
+        if card is None:
+            return error_response(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model")
+        return JSONResponse(card)
 
     if config.allow_runtime_lora_updating:
 
