@@ -107,6 +107,18 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def drop_output_tail(self, n: int) -> None:
+        """Forget the last ``n`` output tokens (and their logprobs): a stop string ended the text
+        inside a step that emitted several tokens (accepted drafts), so the ones after it were
+        never part of the output."""
+        if n <= 0:
+            return
+        del self.output_token_ids[-n:], self.all_token_ids[-n:]
+        if self.sampling_params.logprobs is not None:
+            for lp in self.logprobs[-n:]:
+                self.cumulative_logprob -= lp.token_logprob
+            del self.logprobs[-n:]
+
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last generated token causes, if any."""
         last = self.output_token_ids[-1]

@@ -30,10 +30,11 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self._num_tokens = 0
+        self.tokens_after_stop = 0  # of the last update's tokens, those after the one a stop string ended in
 
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string that ended the text, if one appeared."""
-        for token_id in token_ids:
+        for j, token_id in enumerate(token_ids):
             self._num_tokens += 1
             if token_id in self._stop_ids and self._num_tokens > self._min_tokens:
                 return None  # the request ends here (Request.check_stop)
@@ -46,6 +47,7 @@ class IncrementalDetokenizer:
             if self._stop and self._num_tokens > self._min_tokens:
                 hit = self._find_stop(start)
                 if hit is not None:
+                    self.tokens_after_stop = len(token_ids) - j - 1
                     return hit
         return None
 

@@ -420,7 +420,7 @@ class LLMEngine:
         for tokens, lps in zip(result.sampled, result.logprobs):
             del lps[len(tokens) :]
         self.output_processor.record_logprobs(scheduled, result)
-        for req, tokens in zip(scheduled, result.sampled):
+        for req, tokens, lps in zip(scheduled, result.sampled, result.logprobs):
             if not tokens or req.status is RequestStatus.FINISHED_ERROR:  # a sibling's fault ended it
                 continue
             if self.structured.tracks(req.request_id):
@@ -432,12 +432,15 @@ class LLMEngine:
                 if grammar_done and not req.status.finished:  # e.g. with ignore_eos
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     finished.append(req)
+            num_output = len(req.output_token_ids)
             try:
                 stop = self.output_processor.on_new_tokens(req, len(tokens))
             except Exception as e:  # e.g. a detokenizer fault: this request's alone
                 self._fail_request(req, e)
                 continue
             if stop is not None:
+                dropped = num_output - len(req.output_token_ids)  # drawn after the stop string's token
+                del tokens[len(tokens) - dropped :], lps[len(lps) - dropped :]
                 if req.status.finished:  # also hit max_tokens: the stop string wins
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                 else:

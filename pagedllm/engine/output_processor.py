@@ -86,7 +86,8 @@ class OutputProcessor:
                 req.prompt_logprobs.extend(entries[max(0, len(req.prompt_logprobs) - first) :])
 
     def on_new_tokens(self, req: Request, num_new: int) -> str | None:
-        """Detokenize a sequence's new tokens; return a stop string if one ended it."""
+        """Detokenize a sequence's new tokens; return a stop string if one ended it (the tokens
+        of the step after the one it ended in are dropped from the request)."""
         parent = self.parents.get(req.parent_id)
         if parent is None:
             return None
@@ -94,7 +95,10 @@ class OutputProcessor:
         sample = parent.samples[req.index]
         if sample.detokenizer is None:
             return None
-        return sample.detokenizer.update(req.output_token_ids[-num_new:])
+        stop = sample.detokenizer.update(req.output_token_ids[-num_new:])
+        if stop is not None:
+            req.drop_output_tail(sample.detokenizer.tokens_after_stop)
+        return stop
 
     def mark(self, req: Request) -> None:
         """Note that a sequence changed (e.g. was aborted) so its parent reports."""

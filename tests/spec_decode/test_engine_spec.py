@@ -219,3 +219,24 @@ def test_a_preempted_request_resumes_with_its_drafting_history(tiny_llama_tok):
     runner.update_states(SchedulerOutput(finished_req_ids={"r"}))  # aborted while waiting
     runner.update_states(learn)  # (a new request that reuses the id starts afresh)
     assert tuple(getattr(runner.requests["r"], f) for f in SPEC_HISTORY) == (0.0, 0.0, 0, 0, 0)
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_tokens_there_too(tiny_llama_tok, default_tokenizer):
+    """A stop string found in a token that a step accepted as a draft ends the output at that
+    token: the tokens after it leave token_ids, logprobs and usage as well as the text (found
+    by an adversarial session: the text was cut, the tokens were not)."""
+    prompt = _prompts(default_tokenizer)[0]
+    _, (free,) = _run(tiny_llama_tok, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    toks = free.outputs[0].token_ids
+    piece = lambda j: default_tokenizer.decode(toks[j : j + 1]).strip()  # noqa: E731
+    j = next(j for j in range(1, len(toks) - 1)
+             if j % 4 and len(piece(j)) > 2 and piece(j) not in default_tokenizer.decode(toks[:j]))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[piece(j)], logprobs=0)
+    _, (plain,) = _run(tiny_llama_tok, [prompt], params)
+    spec = {"model": str(tiny_llama_tok), "num_speculative_tokens": 3, "auto_length": False}
+    llm, (got,) = _run(tiny_llama_tok, [prompt], params, speculative_config=spec)
+    assert llm.llm_engine.stats.spec_total.num_accepted_tokens > 0
+    a, b = plain.outputs[0], got.outputs[0]
+    assert b.token_ids == a.token_ids == toks[: j + 1] and b.finish_reason == a.finish_reason == "stop"
+    assert b.text == a.text and b.stop_reason == a.stop_reason == piece(j)
+    assert len(b.logprobs) == j + 1 and b.cumulative_logprob == pytest.approx(a.cumulative_logprob)
