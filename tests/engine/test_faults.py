@@ -12,7 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.engine.faults import FaultInjector
-from pagedllm.sampling_params import INT64_MAX
+from pagedllm.sampling_params import INT64_MAX, StructuredOutputsParams
 
 MARK = 77
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -291,13 +291,16 @@ def test_only_the_engine_thread_runs_torch_on_several_threads(tiny_llama):
     try:
 
         async def probe() -> list[tuple[str, int]]:
+            loop, pool_for = asyncio.get_running_loop(), llm.engine.structured._pool_for
+            small, big = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="a" * (1 << 15))
             return [await llm.call_in_engine(lambda _engine: counts()), await llm.run_in_worker(counts),
-                    await asyncio.get_running_loop().run_in_executor(llm.engine.structured._pool_or_new(), counts)]  # fmt: skip
+                    await loop.run_in_executor(pool_for(small), counts), await loop.run_in_executor(pool_for(big), counts)]  # fmt: skip
 
         seen = asyncio.run(probe())
         assert seen[0] == ("pagedllm-engine", cores)
         assert seen[1][0].startswith("pagedllm-input") and seen[1][1] == 1
         assert seen[2][0].startswith("pagedllm-grammar") and seen[2][1] == 1
+        assert seen[3][0].startswith("pagedllm-grammar-big") and seen[3][1] == 1
         assert torch.get_num_threads() == cores  # the caller's thread is left as it was
         # A parallel-sized op on a helper leaves the engine's threads as they were.
         asyncio.run(llm.run_in_worker(lambda: torch.ones(1 << 20).sum()))
