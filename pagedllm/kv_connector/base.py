@@ -77,7 +77,7 @@ class KVConnectorStats:
     num_loaded_bytes: int = 0
     num_saved_blocks: int = 0  # written to the store
     num_saved_bytes: int = 0
-    num_dropped_saves: int = 0  # not saved: the saver's backlog was full (the step never waits)
+    num_dropped_saves: int = 0  # not saved: the saver's backlog was full (the step never waits), or the write failed
     load_seconds: list[float] = field(default_factory=list)  # per request: read + verify + copy in
 
     def add(self, other: "KVConnectorStats") -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -68,8 +69,12 @@ def check_block_file(data: bytes, fingerprint: bytes, block_hash: bytes) -> str 
 
 class DiskKVStore(KVStore):
     def __init__(self, path: str | Path, fingerprint: bytes, fingerprint_id: str, max_bytes: int,
-                 stats: StatsBox | None = None, fsync: bool = True, buffers: BufferPool | None = None):  # fmt: skip
+                 stats: StatsBox | None = None, fsync: bool = True, buffers: BufferPool | None = None,
+                 payload_bytes: int | None = None):  # fmt: skip
+        """``payload_bytes``: every block's payload length, when known: a file of another size
+        is refused before it is read."""
         self.root = Path(path)
+        self.payload_bytes = payload_bytes
         self.dir = self.root / fingerprint_id
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
@@ -145,23 +150,32 @@ class DiskKVStore(KVStore):
     def get(self, block_hash: bytes) -> memoryview | None:
         path = self.path_of(block_hash)
         key = str(path)
-        data = None
+        data, problem = None, None
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                data = self.buffers.take(size)
-                n = f.readinto(data)
-            if n != size:  # shrank while we read: a torn view, never used
-                data = data[:n]
+            # O_NONBLOCK: a FIFO planted under a block's name would block the open forever.
+            with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    problem = "not a regular file"
+                elif self.payload_bytes is not None and st.st_size != HEADER.size + self.payload_bytes:
+                    problem = f"{st.st_size} bytes, where a block file has {HEADER.size + self.payload_bytes}"
+                else:
+                    size = st.st_size
+                    data = self.buffers.take(size)
+                    n = f.readinto(data)
+                    if n != size:  # shrank while we read: a torn view, never used
+                        data = data[:n]
         except FileNotFoundError:
             self._forget(key)
             return None
         except OSError as e:
             logger.warning("KV store: cannot read %s: %s", path, e)
             return None
-        problem = check_block_file(data, self.fingerprint, block_hash)
+        if problem is None:
+            problem = check_block_file(data, self.fingerprint, block_hash)
         if problem is not None:
-            self.buffers.give(data)
+            if data is not None:
+                self.buffers.give(data)
             logger.warning("KV store: ignoring %s (%s); its tokens are recomputed", path, problem)
             self.stats.update(num_rejected_blocks=1)
             self._forget(key)
@@ -185,7 +199,11 @@ class DiskKVStore(KVStore):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         header = encode_header(self.fingerprint, block_hash, payload)
         try:
-            with open(tmp, "xb") as f:
+            f = open(tmp, "xb")  # (nothing to clean up if this fails, e.g. on a read-only disk)
+        except FileExistsError:
+            return False
+        try:
+            with f:
                 f.write(header)
                 f.write(payload)
                 f.flush()

@@ -56,7 +56,8 @@ def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, b
     stats = StatsBox()
     if config.kv_connector != "disk":  # KVTransferConfig validated the name
         raise ValueError(f"kv_transfer_config.kv_connector {config.kv_connector!r} is unknown")
-    store = DiskKVStore(config.path, fingerprint.digest, fingerprint.id, config.max_bytes, stats)
+    store = DiskKVStore(config.path, fingerprint.digest, fingerprint.id, config.max_bytes, stats,
+                        payload_bytes=block_bytes)  # fmt: skip
     saver = BlockSaver(store, stats) if config.saves else None
     connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, block_bytes, stats),
                             WorkerConnector(saver, stats, store), saver)  # fmt: skip

@@ -97,7 +97,7 @@ class BlockSaver:
             if seq is None:
                 return
             items, buffer, pool = batch
-            saved = saved_bytes = 0
+            saved = saved_bytes = failed = 0
             try:
                 for block_hash, payload in items:
                     try:
@@ -105,11 +105,13 @@ class BlockSaver:
                             saved += 1
                             saved_bytes += len(payload)
                     except Exception as e:  # a full disk must not take the engine down
-                        logger.warning("KV store: saving a block failed: %s: %s", type(e).__name__, e)
+                        if not failed:  # one line a batch, not one a block
+                            logger.warning("KV store: saving a block failed: %s: %s", type(e).__name__, e)
+                        failed += 1
                 del items
                 if buffer is not None and pool is not None:
                     pool.give(buffer)
-                self.stats.update(num_saved_blocks=saved, num_saved_bytes=saved_bytes)
+                self.stats.update(num_saved_blocks=saved, num_saved_bytes=saved_bytes, num_dropped_saves=failed)
             except BaseException:  # whatever happens, the batch counts as done: held answers go out
                 logger.exception("KV saver: a batch failed")
             with self._cond:

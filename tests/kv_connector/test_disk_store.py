@@ -64,6 +64,24 @@ def test_a_damaged_file_is_ignored_and_removed(tmp_path, where):
     assert s.put(h(2), payload(2)) and s.get(h(2)) is not None
 
 
+def test_a_fifo_or_an_odd_sized_file_is_refused_unread(tmp_path):
+    """A named pipe under a block's name used to block the open, and the engine with it, for
+    good (found by an adversarial session); a file of the wrong size is refused before its
+    bytes are read."""
+    stats = StatsBox()
+    s = DiskKVStore(tmp_path, FP, FP.hex()[:8], 1 << 30, stats, payload_bytes=1000)
+    for i in (3, 4):
+        s.put(h(i), payload(i))
+    os.unlink(s.path_of(h(3)))
+    os.mkfifo(s.path_of(h(3)))
+    with open(s.path_of(h(4)), "ab") as f:
+        f.truncate(1 << 30)  # sparse: a gigabyte that must not be read
+    assert s.get(h(3)) is None and s.get(h(4)) is None
+    assert stats.total.num_rejected_blocks == 2
+    assert not s.path_of(h(3)).exists() and not s.path_of(h(4)).exists()
+    assert s.put(h(3), payload(3)) and bytes(s.get(h(3))) == bytes(payload(3))
+
+
 def test_another_models_file_under_this_name_is_ignored(tmp_path):
     theirs = store(tmp_path, fp=OTHER_FP)
     theirs.put(h(3), payload(3))

@@ -46,13 +46,14 @@ def test_when_saved_waits_for_the_writes():
 
 
 def test_a_failing_store_never_holds_an_answer_forever():
-    store = SlowStore(fail=True)
+    store, stats = SlowStore(fail=True), StatsBox()
     store.gate.set()
-    saver = BlockSaver(store, StatsBox())
-    saver.submit([(b"a", memoryview(b"xyz"))])
+    saver = BlockSaver(store, stats)
+    saver.submit([(b"a", memoryview(b"xyz")), (b"b", memoryview(b"xyz"))])
     fired = threading.Event()
     saver.when_saved(fired.set)
     assert fired.wait(5)
+    assert stats.total.num_dropped_saves == 2  # failed writes are counted (a full disk was silent)
     saver.close()
 
 

@@ -39,7 +39,7 @@ class KVConnectorMetrics:
         self.loaded_bytes = counter("loaded_bytes", "Bytes loaded from the KV store.")
         self.saved = counter("saved_blocks", "Blocks written to the KV store.")
         self.saved_bytes = counter("saved_bytes", "Bytes written to the KV store.")
-        self.dropped = counter("dropped_saves", "Blocks not saved because the saver's backlog was full.")
+        self.dropped = counter("dropped_saves", "Blocks not saved: the saver's backlog was full, or the write failed (e.g. a full disk).")
         self.load_latency = Histogram("pagedllm:kv_connector_load_seconds", "Per request: reading, verifying and loading its blocks from the KV store.",
                                       ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
 
