@@ -72,10 +72,15 @@ def _fail(req: LoRARequest, message: str) -> ValueError:
 
 def read_config(req: LoRARequest) -> dict:
     path = Path(req.lora_path)
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+        cfg_path = path / CONFIG_FILE
+        has_config = is_dir and cfg_path.is_file()
+    except (OSError, ValueError) as e:  # a path too long for the OS, a NUL byte, ...
+        raise _fail(req, f"cannot open the adapter directory: {e}") from None
+    if not is_dir:
         raise _fail(req, "no such adapter directory")
-    cfg_path = path / CONFIG_FILE
-    if not cfg_path.is_file():
+    if not has_config:
         raise _fail(req, f"no {CONFIG_FILE} (a PEFT LoRA adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
         config = json.loads(cfg_path.read_text())
@@ -97,8 +102,8 @@ def _check_config(req: LoRARequest, config: dict, max_rank: int) -> tuple[int, f
     if rank > max_rank:
         raise _fail(req, f"rank {rank} exceeds max_lora_rank {max_rank} (raise --max-lora-rank)")
     alpha = config.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise _fail(req, f"lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise _fail(req, f"lora_alpha must be a finite number, got {alpha!r}")
     unsupported = {
         "use_dora": "DoRA (use_dora)",
         "fan_in_fan_out": "fan_in_fan_out weights",
@@ -168,7 +173,12 @@ def load_adapter(req: LoRARequest, base: TargetShapes, max_rank: int) -> LoRAAda
                 f"{in_features} -> {out_features} linear at rank {rank} (expected ({rank}, {in_features}) and "
                 f"({out_features}, {rank})): an adapter for another model?",
             )
-        weights[(layer, module)] = (a.to(torch.float32).contiguous(), b.to(torch.float32).contiguous())
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise _fail(req, f"layer {layer} {module}: lora_A/lora_B must be floating point, got {a.dtype} and {b.dtype}")
+        a, b = a.to(torch.float32).contiguous(), b.to(torch.float32).contiguous()
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            raise _fail(req, f"layer {layer} {module}: lora_A/lora_B hold NaN or infinite values")
+        weights[(layer, module)] = (a, b)
     modules = {m for _, m in weights}
     for fused, alone in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
         if fused in modules and modules & set(alone):

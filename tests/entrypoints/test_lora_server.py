@@ -5,6 +5,7 @@ serve traffic, and a bad or over-rank adapter is a 400 that changes nothing."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -126,6 +127,18 @@ def test_load_and_unload_while_other_adapters_serve(server, client, adapter_dirs
     # Loaded again under the same name: a new id (never another's KV blocks), same answers.
     r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapter_dirs["c"])}, timeout=30)
     assert r.status_code == 200 and _complete(client, "c") == c_text
+
+
+def test_concurrent_loads_of_one_name_load_it_once(server, adapter_dirs):
+    """Loads of one name at once: the first wins, the others are 400s (all used to succeed,
+    the last one silently replacing the rest; found by an adversarial session)."""
+    body = {"lora_name": "race", "lora_path": str(adapter_dirs["c"])}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=60), range(4)))
+    assert sorted(r.status_code for r in replies) == [200, 400, 400, 400], [r.text for r in replies]
+    assert all("already been loaded" in r.text or "is being loaded" in r.text for r in replies if r.status_code == 400)
+    assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "race"}, timeout=30).status_code == 200
+    assert "race" not in _models(server)
 
 
 def test_lora_metrics(server, client):

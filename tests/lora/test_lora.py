@@ -94,6 +94,16 @@ def _broken(adapters, tmp_path, edit) -> str:
     return str(path)
 
 
+def _edit_weights(path: Path, change) -> None:
+    """Rewrite the adapter's first lora_B tensor as ``change(tensor)`` returns it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key] = change(tensors[key].clone())
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
 def _set_config(**changes):
     def edit(path: Path) -> None:
         cfg = json.loads((path / "adapter_config.json").read_text())
@@ -114,11 +124,21 @@ def _set_config(**changes):
         (_set_config(target_modules=["q_proj", "lm_head"]), "unknown target module(s) lm_head"),
         (_set_config(use_dora=True), "DoRA"),
         (_set_config(r=3), "do not fit the base's"),  # tensors of rank 4 under a config of rank 3
+        (_set_config(lora_alpha=float("nan")), "lora_alpha must be a finite number"),
+        (lambda p: _edit_weights(p, lambda t: t.fill_(float("nan"))), "NaN or infinite"),
+        (lambda p: _edit_weights(p, lambda t: t.to(torch.int64)), "must be floating point"),
+        ("x" * 5000, "cannot open the adapter directory"),
     ],
-    ids=["missing-dir", "no-config", "no-weights", "bad-json", "over-rank", "unknown-target", "dora", "rank-mismatch"],
+    ids=["missing-dir", "no-config", "no-weights", "bad-json", "over-rank", "unknown-target", "dora", "rank-mismatch",
+         "nan-alpha", "nan-weights", "int-weights", "path-too-long"],
 )
 def test_bad_adapters_are_refused_clearly(manager, adapters, tmp_path, edit, message):
-    path = str(tmp_path / "nowhere") if edit is None else _broken(adapters, tmp_path, edit)
+    # (NaN weights used to load and make the adapter's requests emit token 0; a path too long
+    # for the OS was an OSError, a 500 on the server: found by an adversarial session.)
+    if isinstance(edit, str):
+        path = str(tmp_path / edit)
+    else:
+        path = str(tmp_path / "nowhere") if edit is None else _broken(adapters, tmp_path, edit)
     before = manager.loaded_ids()
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         manager.add(LoRARequest("bad", 99, path))

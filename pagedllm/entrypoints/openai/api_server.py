@@ -279,6 +279,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         return JSONResponse(card)
 
     if config.allow_runtime_lora_updating:
+        loading: set[str] = set()  # names whose load is in flight
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
@@ -287,10 +288,16 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             name = req.lora_name
             if name in serving.loras or name in (served_model_name, model_root):
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+            if name in loading:  # two loads of one name at once: the first one's
+                raise ValueError(f"The lora adapter '{name}' is being loaded.")
             lora = serving.new_lora_request(name, req.lora_path)
-            # In every replica; ValueError -> 400, nothing changed. (A method call, not a lambda: it
-            # may have to be pickled to replica processes.)
-            await llm.call_in_all_engines(operator.methodcaller("add_lora", lora))
+            loading.add(name)
+            try:
+                # In every replica; ValueError -> 400, nothing changed. (A method call, not a
+                # lambda: it may have to be pickled to replica processes.)
+                await llm.call_in_all_engines(operator.methodcaller("add_lora", lora))
+            finally:
+                loading.discard(name)
             serving.loras[name] = lora
             logger.info("LoRA adapter %r loaded from %s", name, req.lora_path)
             return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
