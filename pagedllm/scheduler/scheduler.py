@@ -77,8 +77,8 @@ class Scheduler:
         needed = self.kv.max_blocks_held(total, self.config.max_num_batched_tokens)
         if needed > self.kv.num_blocks:
             raise ValueError(
-                f"request needs {needed} KV blocks for {total} tokens but the pool holds only "
-                f"{self.kv.num_blocks}; raise kv_cache_space/num_kv_blocks or lower max_tokens"
+                f"max_tokens ({request.max_tokens}) with the prompt ({request.num_prompt_tokens} tokens) needs {needed} KV "
+                f"blocks but the pool holds only {self.kv.num_blocks}; lower max_tokens or raise kv_cache_space/num_kv_blocks"
             )
 
     def add_request(self, request: Request) -> None:
