@@ -284,9 +284,9 @@ def verify_rows(
     ``first_row[i]`` .. ``+ num_rows[i] - 1`` of ``logits``; ``draft[r]`` is the token drafted at
     row r (every row but a request's last); the filters' per-row parameters and ``u`` [rows]
     (float64) are as in ``sample_rows``. Returns, per row, the token emitted there or -1 past
-    the request's last token: drafts are accepted while ``u[r] < p_r(draft[r])``, then one draw
-    with the request's last uniform from the first rejecting row without its draft, or from the
-    last row. The torch rule is ``spec_decode.rejection``'s; callers check ``native_rows``."""
+    the request's last token: each row draws its token with ``u[r]`` as ``sample_rows`` would,
+    and the request's rows go on while the draw equals the row's draft. The torch rule is
+    ``spec_decode.rejection``'s; callers check ``native_rows``."""
     rows, vocab = logits.shape
     assert native_rows(logits)
     out = torch.empty(rows, dtype=torch.int64)
