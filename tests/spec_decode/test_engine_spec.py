@@ -146,28 +146,6 @@ def test_self_draft_accepts_every_token_and_gives_plain_tokens(tiny_llama_tok, d
         assert llm.llm_engine.num_preemptions_total > 0
 
 
-def test_a_stop_token_inside_accepted_drafts_ends_the_output_there(tiny_llama_tok, default_tokenizer):
-    """Tokens a step accepted after a stop token id are dropped, with their logprobs: the output
-    is plain decoding's. (An adversarial server session found the stop token's text repeated,
-    and with logprobs an IndexError that killed the engine.)"""
-    prompt = _prompts(default_tokenizer)[0]
-    _, (free,) = _run(tiny_llama_tok, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    toks = free.outputs[0].token_ids
-    # Self-drafting 3 tokens a step accepts all: outputs 1-3, 5-7, ... are accepted drafts,
-    # each followed by more tokens of its step. Stop at the first one whose token is new.
-    j = next(j for j in range(1, len(toks)) if j % 4 and toks[j] not in toks[:j])
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[toks[j]], logprobs=0)
-    _, (plain,) = _run(tiny_llama_tok, [prompt], params)
-    spec = {"model": str(tiny_llama_tok), "num_speculative_tokens": 3, "auto_length": False}
-    llm, (got,) = _run(tiny_llama_tok, [prompt], params, speculative_config=spec)
-    assert llm.llm_engine.stats.spec_total.num_accepted_tokens > 0
-    a, b = plain.outputs[0], got.outputs[0]
-    assert b.token_ids == a.token_ids == toks[: j + 1] and b.finish_reason == a.finish_reason == "stop"
-    assert b.text == a.text
-    assert len(b.logprobs) == j + 1
-    assert [e[t].logprob for e, t in zip(b.logprobs, b.token_ids)] == [e[t].logprob for e, t in zip(a.logprobs, a.token_ids)]
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_small_random_draft_keeps_greedy_and_seeded_tokens(tiny_llama_tok, tiny_draft, default_tokenizer, config):
     prompts = _prompts(default_tokenizer)
@@ -221,22 +199,32 @@ def test_a_preempted_request_resumes_with_its_drafting_history(tiny_llama_tok):
     assert tuple(getattr(runner.requests["r"], f) for f in SPEC_HISTORY) == (0.0, 0.0, 0, 0, 0)
 
 
-def test_a_stop_string_inside_accepted_drafts_ends_the_tokens_there_too(tiny_llama_tok, default_tokenizer):
-    """A stop string found in a token that a step accepted as a draft ends the output at that
-    token: the tokens after it leave token_ids, logprobs and usage as well as the text (found
-    by an adversarial session: the text was cut, the tokens were not)."""
+@pytest.mark.parametrize("kind", ["stop_token_ids", "stop"])
+def test_a_stop_inside_accepted_drafts_ends_the_output_there(tiny_llama_tok, default_tokenizer, kind):
+    """Tokens a step accepted after a stop token id or a stop string are dropped, with their
+    logprobs: the output is plain decoding's. (Adversarial sessions found, for a stop token id,
+    its text repeated and with logprobs an IndexError that killed the engine; for a stop
+    string, the text cut but not the tokens.)"""
     prompt = _prompts(default_tokenizer)[0]
     _, (free,) = _run(tiny_llama_tok, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     toks = free.outputs[0].token_ids
     piece = lambda j: default_tokenizer.decode(toks[j : j + 1]).strip()  # noqa: E731
-    j = next(j for j in range(1, len(toks) - 1)
-             if j % 4 and len(piece(j)) > 2 and piece(j) not in default_tokenizer.decode(toks[:j]))  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[piece(j)], logprobs=0)
+    # Self-drafting 3 tokens a step accepts all: outputs 1-3, 5-7, ... are accepted drafts,
+    # each followed by more tokens of its step. Stop at the first one that is new.
+    if kind == "stop_token_ids":
+        j = next(j for j in range(1, len(toks)) if j % 4 and toks[j] not in toks[:j])
+        stop = {"stop_token_ids": [toks[j]]}
+    else:
+        j = next(j for j in range(1, len(toks) - 1)
+                 if j % 4 and len(piece(j)) > 2 and piece(j) not in default_tokenizer.decode(toks[:j]))  # fmt: skip
+        stop = {"stop": [piece(j)]}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0, **stop)
     _, (plain,) = _run(tiny_llama_tok, [prompt], params)
     spec = {"model": str(tiny_llama_tok), "num_speculative_tokens": 3, "auto_length": False}
     llm, (got,) = _run(tiny_llama_tok, [prompt], params, speculative_config=spec)
     assert llm.llm_engine.stats.spec_total.num_accepted_tokens > 0
     a, b = plain.outputs[0], got.outputs[0]
     assert b.token_ids == a.token_ids == toks[: j + 1] and b.finish_reason == a.finish_reason == "stop"
-    assert b.text == a.text and b.stop_reason == a.stop_reason == piece(j)
+    assert b.text == a.text and b.stop_reason == a.stop_reason is not None
     assert len(b.logprobs) == j + 1 and b.cumulative_logprob == pytest.approx(a.cumulative_logprob)
+    assert [e[t].logprob for e, t in zip(b.logprobs, b.token_ids)] == [e[t].logprob for e, t in zip(a.logprobs, a.token_ids)]
