@@ -175,8 +175,7 @@ class BeamSearch:
         # What the whole search could hold at once must fit: refuse now rather than wait forever
         # (beams that reported keep their blocks until their siblings have).
         self.scheduler.check_request(replace_max_tokens(req, params.max_tokens))
-        bs = self.kv.block_size
-        need = -(-(len(prompt_token_ids) + params.max_tokens) // bs) + (params.beam_width - 1) * (-(-params.max_tokens // bs) + 1)
+        need = self.worst_case_blocks(len(prompt_token_ids), params.beam_width, params.max_tokens)
         if need > self.kv.num_blocks:
             raise ValueError(
                 f"beam_width {params.beam_width} x max_tokens {params.max_tokens} may need {need} KV blocks but the pool "
@@ -186,6 +185,24 @@ class BeamSearch:
         self.groups[group_id] = group
         self._waiting.append((group, req, need))
         self._start_waiting()
+
+    def worst_case_blocks(self, prompt_len: int, width: int, max_tokens: int) -> int:
+        """The most KV blocks a search can hold at once: the prompt and one beam's tokens, and
+        each other beam's own tokens plus the block it shares at the fork."""
+        bs = self.kv.block_size
+        return -(-(prompt_len + max_tokens) // bs) + (width - 1) * (-(-max_tokens // bs) + 1)
+
+    def longest_fit(self, prompt_len: int, width: int, max_tokens: int) -> int:
+        """The largest max_tokens (at most ``max_tokens``) whose worst case fits the pool (1
+        when none does: the search is then refused with the reason)."""
+        lo, hi = 1, max_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.worst_case_blocks(prompt_len, width, mid) <= self.kv.num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _start_waiting(self) -> None:
         """Start the waiting searches, in order, while their reservations fit."""

@@ -28,6 +28,7 @@ class ProcessedRequest:
     priority: int = 0
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     lora_request: Any = None  # a LoRARequest (checked by the engine, which loads it)
+    max_tokens_given: bool = True  # False: max_tokens is the default (the longest context the pool holds)
 
 
 class InputProcessor:
@@ -73,14 +74,16 @@ class InputProcessor:
         text, ids = self._prompt_tokens(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        if params.max_tokens is None:
+        given = params.max_tokens is not None
+        if not given:
             params = replace(params, max_tokens=max(1, min(self.max_model_len, self.longest_context) - len(ids)))
         elif len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
-        return ProcessedRequest(text, ids, params, priority, self._bad_words_ids(params.bad_words or []))
+        return ProcessedRequest(text, ids, params, priority, self._bad_words_ids(params.bad_words or []),
+                                max_tokens_given=given)  # fmt: skip
 
     def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping) and (unknown := sorted(map(repr, set(prompt) - PROMPT_KEYS))):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from dataclasses import replace
 import logging
 import time
 from typing import Any
@@ -199,6 +200,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.next_request_id()
         if params.use_beam_search:  # engine/beam_search.py; one final output with the n best beams
             beam = beam_params_from(params)
+            if not req.max_tokens_given:  # W beams share the pool: the longest search that fits
+                beam = replace(beam, max_tokens=self.beams.longest_fit(len(req.prompt_token_ids), beam.beam_width,
+                                                                       beam.max_tokens))  # fmt: skip
             if request_id in self.output_processor.parents or request_id in self._samples_of:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,

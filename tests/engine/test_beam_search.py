@@ -184,6 +184,23 @@ def test_a_search_that_cannot_fit_the_pool_is_refused(tiny_llama):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_search_without_max_tokens_runs_to_the_longest_that_fits(tiny_llama):
+    """SamplingParams(use_beam_search=True) without max_tokens (the server's path): the search
+    gets the longest max_tokens its beams fit in (it used to get the whole pool's context for
+    one sequence, and then refuse itself for W of them)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=20, block_size=4), log_stats_interval=0)
+    params = SamplingParams(use_beam_search=True, temperature=0, n=4, ignore_eos=True, max_tokens=None)
+    engine.add_request({"prompt_token_ids": PROMPT[:4]}, params, request_id="b")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    (out,) = [o for o in outs if o.finished]
+    fit = engine.beams.longest_fit(4, 4, 10**6)
+    assert engine.beams.worst_case_blocks(4, 4, fit) <= 20 < engine.beams.worst_case_blocks(4, 4, fit + 1)
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == fit for c in out.outputs)
+    assert engine.kv_cache_manager.num_free_blocks == 20
+
+
 def test_searches_that_fit_only_one_at_a_time_run_one_after_another():
     """Two searches that each fit the pool alone but not together (the default model, 14 blocks
     of 16 tokens): the second waits until the first ends. Before, both started, filled the pool
