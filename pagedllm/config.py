@@ -283,6 +283,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        if not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:

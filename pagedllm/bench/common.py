@@ -13,16 +13,18 @@ import time
 from typing import Any
 
 from pagedllm.bench.workloads import WORKLOADS, Workload
+from pagedllm.entrypoints.arg_types import positive_int, result_path
 
 
 def add_workload_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=default, help="a standard workload (WORKLOADS.md)")
     # Given explicitly, these override the chosen workload's fields (the result is named "custom").
-    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: the workload's, else 256)")
-    p.add_argument("--output-len", type=int, default=None, help="new tokens (default: the workload's, else 128)")
-    p.add_argument("--num-prompts", type=int, default=None, help="requests (default: the workload's, else 64)")
+    p.add_argument("--input-len", type=positive_int, default=None, help="prompt tokens (default: the workload's, else 256)")
+    p.add_argument("--output-len", type=positive_int, default=None, help="new tokens (default: the workload's, else 128)")
+    p.add_argument("--num-prompts", type=positive_int, default=None, help="requests (default: the workload's, else 64)")
     p.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
+
 
 
 # The sampling flags and their values in a greedy run.

@@ -19,15 +19,28 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.bench.common import add_workload_args, report, workload_from_args
+from pagedllm.entrypoints.arg_types import positive_float, positive_int
+
+
+def _slo(value: str) -> tuple[str, float]:
+    """One --goodput bound, ``ttft|tpot|e2el:MILLISECONDS``."""
+    name, _, ms = value.partition(":")
+    try:
+        bound = float(ms)
+    except ValueError:
+        bound = float("nan")
+    if name not in ("ttft", "tpot", "e2el") or not bound > 0:
+        raise argparse.ArgumentTypeError(f"expected ttft:MS, tpot:MS or e2el:MS with MS > 0, got {value!r}")
+    return name, bound
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)  # without --workload: --input-len/--output-len/--num-prompts (W1-like defaults)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrival rate, req/s (default: inf)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--goodput", nargs="*", default=[], help="SLOs like ttft:500 tpot:100 (milliseconds)")
+    p.add_argument("--request-rate", type=positive_float, default=float("inf"), help="Poisson arrival rate, req/s (default: inf)")
+    p.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight at once")
+    p.add_argument("--goodput", nargs="*", type=_slo, default=[], help="SLOs like ttft:500 tpot:100 (milliseconds)")
     p.add_argument("--api-key", default=None, help="bearer token for the server")
     p.add_argument("--arrival-seed", type=int, default=0, help="seed of the arrival times")
 
@@ -112,7 +125,7 @@ async def _run(args: argparse.Namespace) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     ok = [r for r in results if r.ok]
-    slo = dict(item.split(":", 1) for item in args.goodput)
+    slo = dict(args.goodput)
     good = [
         r for r in ok
         if r.ttft * 1e3 <= float(slo.get("ttft", "inf")) and r.tpot * 1e3 <= float(slo.get("tpot", "inf"))

@@ -37,6 +37,7 @@ length_penalty > 0. The search returns the finished set, best first.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,10 @@ from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedllm.scheduler.scheduler import Scheduler
 
 EARLY_STOPPING = (True, False, "never")
+
+
+# |length_penalty| past this overflows length ** penalty for long outputs (8,192 ** 50 ~ 1e195).
+MAX_LENGTH_PENALTY = 50
 
 
 @dataclass
@@ -70,8 +75,10 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature != 0:
             raise ValueError(f"temperature must be 0 for beam search (deterministic), got {self.temperature!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        lp = self.length_penalty
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp) or abs(lp) > MAX_LENGTH_PENALTY:
+            # (length ** 1e308 overflows in the middle of a search)
+            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got {lp!r}")
         if self.early_stopping not in EARLY_STOPPING or isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
 

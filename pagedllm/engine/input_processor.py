@@ -109,6 +109,8 @@ class InputProcessor:
                 raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, Mapping) and "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):  # (a dict in a dict ... would recurse without end)
+                raise ValueError(f"prompt['prompt'] must be a string, got {type(prompt['prompt']).__name__}")
             return self._prompt_tokens(prompt["prompt"])
         raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 

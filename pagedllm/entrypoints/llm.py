@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import fields
 from typing import Any, Sequence
@@ -11,6 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.chat import render_chat
+from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
@@ -38,6 +40,8 @@ class LLM:
         config = EngineConfig(model=model, **engine_args)
         # Process-wide settings belong to the entry point, not to the engine.
         configure_logging()
+        # The engine is stepped by the calling thread: calls from several threads take turns.
+        self._lock = threading.RLock()
         self.data_parallel = None
         if config.data_parallel_size > 1:  # N replica processes (pagedllm/data_parallel/); no engine here
             from pagedllm.data_parallel.client import DPAsyncLLM
@@ -85,9 +89,11 @@ class LLM:
         are passed to the template; to force a call, constrain the output with
         ``SamplingParams(structured_outputs=...)``.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not isinstance(conversations, list) or not conversations:
-            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages (dicts), or a list of such conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if tools:
+            tools = check_tools(tools)
         prompts = [
             {
                 "prompt_token_ids": render_chat(
@@ -126,12 +132,17 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, one per prompt; got "
+                             f"{type(sampling_params).__name__}")  # fmt: skip
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise ValueError(f"priority must be a list of integers, one per prompt; got {type(priority).__name__}")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
@@ -146,15 +157,16 @@ class LLM:
 
             return offline.generate(self.data_parallel, prompts, params_list, priorities, loras, use_tqdm)
         engine = self.llm_engine
-        added: list[str] = []
-        try:
-            for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
-                added.append(engine.add_request(prompt, params, priority=prio, lora_request=lora))
-        except Exception:
-            for request_id in added:
-                engine.abort_request(request_id)
-            raise
-        return self._run(added, use_tqdm)
+        with self._lock:  # one caller's requests at a time: each step's outputs go to one caller
+            added: list[str] = []
+            try:
+                for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
+                    added.append(engine.add_request(prompt, params, priority=prio, lora_request=lora))
+            except Exception:
+                for request_id in added:
+                    engine.abort_request(request_id)
+                raise
+            return self._run(added, use_tqdm)
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
@@ -167,15 +179,16 @@ class LLM:
         if self.data_parallel is not None:
             raise ValueError("beam_search runs on one engine; data_parallel_size > 1 is not supported here")
         engine = self.llm_engine
-        added: list[str] = []
-        try:
-            for prompt in prompts:
-                added.append(engine.add_beam_search(prompt, params))
-        except Exception:
-            for request_id in added:
-                engine.abort_request(request_id)
-            raise
-        return [to_beam_search_output(out) for out in self._run(added, use_tqdm)]
+        with self._lock:
+            added: list[str] = []
+            try:
+                for prompt in prompts:
+                    added.append(engine.add_beam_search(prompt, params))
+            except Exception:
+                for request_id in added:
+                    engine.abort_request(request_id)
+                raise
+            return [to_beam_search_output(out) for out in self._run(added, use_tqdm)]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

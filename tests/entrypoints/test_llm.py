@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, RequestOutput, SamplingParams
+from pagedllm.engine.beam_search import BeamSearchParams
 
 NUM_BLOCKS = 40
 
@@ -244,11 +245,14 @@ def test_odd_python_inputs_are_value_errors_naming_the_field(tiny_llama_tok):
     llm = LLM(str(tiny_llama_tok), dtype="float32", num_kv_blocks=NUM_BLOCKS, max_model_len=256, log_stats_interval=1e9)
     zero_n = SamplingParams(max_tokens=3)
     zero_n.n = 0  # set after construction
+    nested: dict = {"prompt": "hi"}
+    for _ in range(5000):
+        nested = {"prompt": nested}
     cases = [
         (lambda: llm.generate("hi \ud800", use_tqdm=False), "prompt contains a lone surrogate"),
         (lambda: llm.generate("hi", SamplingParams(bad_words=["\ud800"]), use_tqdm=False), "bad_words"),
         (lambda: llm.chat([{"role": "user", "content": "\udc00"}], use_tqdm=False), "messages contains a lone surrogate"),
-        (lambda: llm.chat([{"role": "user", "content": "hi"}], tools="x", use_tqdm=False), "tools must be a list"),
+        (lambda: llm.chat([{"role": "user", "content": "hi"}], tools="x", use_tqdm=False), "tools must be a non-empty list"),
         (lambda: llm.generate(None), "prompts must be"),
         (lambda: llm.generate("hi", zero_n, use_tqdm=False), "n must be at least 1"),
         (lambda: llm.generate({"prompt": "hi", "promt_token_ids": [1]}, use_tqdm=False), "unknown keys 'promt_token_ids'"),
@@ -258,6 +262,19 @@ def test_odd_python_inputs_are_value_errors_naming_the_field(tiny_llama_tok):
         (lambda: StructuredOutputsParams(json_object=True, disable_any_whitespace="yes"), "disable_any_whitespace"),
         (lambda: LLM(str(tiny_llama_tok), max_model_len=True), "max_model_len must be a positive integer"),
         (lambda: LLM(str(tiny_llama_tok), kv_cache_space=True), "kv_cache_space"),
+        # A third adversarial session (KeyError, TypeError, RecursionError, OverflowError before):
+        (lambda: llm.chat({"role": "user", "content": "hi"}, use_tqdm=False), "messages must be a non-empty list"),
+        (lambda: llm.chat(m for m in [{"role": "user", "content": "hi"}]), "messages must be a non-empty list"),
+        (lambda: llm.chat([{"role": "user", "content": "hi"}], tools=[{"type": "function"}], use_tqdm=False), "tools"),
+        (lambda: llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False,
+                          tools=[{"type": "function", "function": {"name": "f", "parameters": {"enum": {1, 2}}}}]),
+         "cannot be written as JSON"),
+        (lambda: llm.generate(["a"], 5, use_tqdm=False), "sampling_params must be a SamplingParams"),
+        (lambda: llm.generate(["a"], {"max_tokens": 3}, use_tqdm=False), "sampling_params must be a SamplingParams"),
+        (lambda: llm.generate(["a"], priority=5, use_tqdm=False), "priority must be a list"),
+        (lambda: llm.generate(nested, use_tqdm=False), "prompt\\['prompt'\\] must be a string"),
+        (lambda: LLM(str(tiny_llama_tok), seed=10**23), "seed must be a 64-bit integer"),
+        (lambda: BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=1e308), "length_penalty"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -270,6 +287,29 @@ def test_odd_python_inputs_are_value_errors_naming_the_field(tiny_llama_tok):
     assert SamplingParams(logit_bias={"12": 1}).logit_bias == {12: 1.0}  # JSON's string keys
     (out,) = llm.generate(tok([1, 2, 3]), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+    assert_all_blocks_free(llm)
+
+
+def test_generate_from_two_threads_at_once_gives_each_its_own_outputs(tiny_llama_tok):
+    """The engine is stepped by the calling thread, so calls from two threads take turns (they
+    used to step it together: requests failed, and a call could return the other's outputs)."""
+    import threading
+
+    llm = LLM(str(tiny_llama_tok), dtype="float32", num_kv_blocks=NUM_BLOCKS, log_stats_interval=1e9)
+    prompts = [tok([1, 2, 3]), tok([4, 5, 6, 7]), tok([8, 9])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got: dict[int, list] = {}
+
+    def run(i: int) -> None:
+        got[i] = [o.outputs[0].token_ids for o in llm.generate(prompts[i:] + prompts[:i], params, use_tqdm=False)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert {i: got.get(i) for i in range(3)} == {i: want[i:] + want[:i] for i in range(3)}
     assert_all_blocks_free(llm)
 
 

@@ -28,6 +28,7 @@ from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.entrypoints.arg_types import tcp_port
 from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -359,21 +360,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _tcp_port(value: str) -> int:
-    """--port: checked when the flags are read, before the model loads."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {port}")
-    return port
-
-
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    g.add_argument("--port", type=_tcp_port, default=8000, help="port to listen on (default: %(default)s)")
+    g.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default: %(default)s)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: SmolLM2-135M-Instruct for the embedded model, else --model as given)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics (or set PAGEDLLM_API_KEY)")
     g.add_argument("--guard-metrics", action="store_true", help="with an API key, /metrics needs it too")

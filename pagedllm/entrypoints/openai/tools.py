@@ -90,6 +90,10 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        try:
+            json.dumps(fn)  # (Python callers can put sets or objects in; the prompt shows it as JSON)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"tools[{i}].function cannot be written as JSON: {e}") from None
     return tools
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import cache_dir
+from pagedllm.entrypoints.arg_types import non_negative_float, non_negative_int, output_dir, positive_float, positive_int
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.entrypoints.train_draft_head.data import generate_sequences, record
 from pagedllm.entrypoints.train_draft_head.eagle import train_eagle
@@ -34,28 +35,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d = " (default: %(default)s)"
     p.add_argument("--method", choices=["medusa", "eagle"], default="medusa", help="the kind of heads" + d)
     p.add_argument("--model", default=None, help="the target model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--output", required=True, help="directory to write config.json and the weights to")
-    p.add_argument("--num-heads", type=int, default=4, help="Medusa heads: tokens 2..n+1 ahead" + d)
-    p.add_argument("--num-prompts", type=int, default=480, help="templated instructions the target answers" + d)
-    p.add_argument("--num-self-prompts", type=int, default=1536,
+    p.add_argument("--output", type=output_dir, required=True, help="directory to write config.json and the weights to")
+    p.add_argument("--num-heads", type=positive_int, default=4, help="Medusa heads: tokens 2..n+1 ahead" + d)
+    p.add_argument("--num-prompts", type=positive_int, default=480, help="templated instructions the target answers" + d)
+    p.add_argument("--num-self-prompts", type=non_negative_int, default=1536,
                    help="instructions the target is asked to write itself; those it finishes are answered too" + d)
-    p.add_argument("--max-tokens", type=int, default=256, help="answer length cap" + d)
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="answer length cap" + d)
     p.add_argument("--generation-activation-dtype", choices=["float32", "int8", "int16"], default="int8",
                    help="the mode answers are generated in; labels always come from the exact model" + d)
-    p.add_argument("--draft-vocab-size", type=int, default=8192,
+    p.add_argument("--draft-vocab-size", type=positive_int, default=8192,
                    help="heads draft from this many most frequent answer tokens, reading only their LM-head "
                         "rows; 0: all" + d)  # fmt: skip
-    p.add_argument("--epochs", type=int, default=2, help="passes over the training data" + d)
-    p.add_argument("--batch-size", type=int, default=256, help="Medusa: positions per optimizer step" + d)
-    p.add_argument("--tokens-per-step", type=int, default=4096, help="EAGLE: padded tokens per optimizer step" + d)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate" + d)
-    p.add_argument("--eagle-intermediate-size", type=int, default=768,
+    p.add_argument("--epochs", type=positive_int, default=2, help="passes over the training data" + d)
+    p.add_argument("--batch-size", type=positive_int, default=256, help="Medusa: positions per optimizer step" + d)
+    p.add_argument("--tokens-per-step", type=positive_int, default=4096, help="EAGLE: padded tokens per optimizer step" + d)
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate" + d)
+    p.add_argument("--eagle-intermediate-size", type=positive_int, default=768,
                    help="EAGLE: the MLP width of its decoder layer" + d)
-    p.add_argument("--eagle-passes", type=int, default=3,
+    p.add_argument("--eagle-passes", type=positive_int, default=3,
                    help="EAGLE: drafting steps replayed in training, each on the previous one's guesses" + d)
-    p.add_argument("--eagle-ce-weight", type=float, default=0.5,
+    p.add_argument("--eagle-ce-weight", type=non_negative_float, default=0.5,
                    help="EAGLE: weight of the token loss beside the feature loss" + d)
-    p.add_argument("--eagle-noise", type=float, default=0.1, help="EAGLE: uniform noise on input features" + d)
+    p.add_argument("--eagle-noise", type=non_negative_float, default=0.1, help="EAGLE: uniform noise on input features" + d)
     p.add_argument("--seed", type=int, default=0)
 
 
