@@ -436,15 +436,15 @@ class LLMEngine:
                 if grammar_done and not req.status.finished:  # e.g. with ignore_eos
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     finished.append(req)
-            num_output = len(req.output_token_ids)
             try:
-                stop = self.output_processor.on_new_tokens(req, len(tokens))
+                hit = self.output_processor.on_new_tokens(req, len(tokens))
             except Exception as e:  # e.g. a detokenizer fault: this request's alone
                 self._fail_request(req, e)
                 continue
-            if stop is not None:
-                dropped = num_output - len(req.output_token_ids)  # drawn after the stop string's token
-                del tokens[len(tokens) - dropped :], lps[len(lps) - dropped :]
+            if hit is not None:
+                stop, after = hit  # tokens drawn after the stop string's one (accepted drafts) go
+                req.drop_output_tail(after)
+                del tokens[len(tokens) - after :], lps[len(lps) - after :]
                 if req.status.finished:  # also hit max_tokens: the stop string wins
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                 else:

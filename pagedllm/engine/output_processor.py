@@ -85,9 +85,9 @@ class OutputProcessor:
                 first, entries = got
                 req.prompt_logprobs.extend(entries[max(0, len(req.prompt_logprobs) - first) :])
 
-    def on_new_tokens(self, req: Request, num_new: int) -> str | None:
-        """Detokenize a sequence's new tokens; return a stop string if one ended it (the tokens
-        of the step after the one it ended in are dropped from the request)."""
+    def on_new_tokens(self, req: Request, num_new: int) -> tuple[str, int] | None:
+        """Detokenize a sequence's new tokens; if a stop string ended the text, (the string, how
+        many of the new tokens came after the one it ended in)."""
         parent = self.parents.get(req.parent_id)
         if parent is None:
             return None
@@ -96,9 +96,7 @@ class OutputProcessor:
         if sample.detokenizer is None:
             return None
         stop = sample.detokenizer.update(req.output_token_ids[-num_new:])
-        if stop is not None:
-            req.drop_output_tail(sample.detokenizer.tokens_after_stop)
-        return stop
+        return None if stop is None else (stop, sample.detokenizer.tokens_after_stop)
 
     def mark(self, req: Request) -> None:
         """Note that a sequence changed (e.g. was aborted) so its parent reports."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import fields
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -40,7 +41,8 @@ class LLM:
         config = EngineConfig(model=model, **engine_args)
         # Process-wide settings belong to the entry point, not to the engine.
         configure_logging()
-        # The engine is stepped by the calling thread: calls from several threads take turns.
+        # The engine is stepped by the calling thread: calls from several threads take turns
+        # (``_add_and_run``).
         self._lock = threading.RLock()
         self.data_parallel = None
         if config.data_parallel_size > 1:  # N replica processes (pagedllm/data_parallel/); no engine here
@@ -156,17 +158,9 @@ class LLM:
             from pagedllm.data_parallel import offline
 
             return offline.generate(self.data_parallel, prompts, params_list, priorities, loras, use_tqdm)
-        engine = self.llm_engine
-        with self._lock:  # one caller's requests at a time: each step's outputs go to one caller
-            added: list[str] = []
-            try:
-                for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
-                    added.append(engine.add_request(prompt, params, priority=prio, lora_request=lora))
-            except Exception:
-                for request_id in added:
-                    engine.abort_request(request_id)
-                raise
-            return self._run(added, use_tqdm)
+        add = self.llm_engine.add_request
+        return self._add_and_run([partial(add, p, sp, priority=prio, lora_request=lora)
+                                  for p, sp, prio, lora in zip(prompts, params_list, priorities, loras)], use_tqdm)  # fmt: skip
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
@@ -178,17 +172,23 @@ class LLM:
         prompts = _prompt_list(prompts)
         if self.data_parallel is not None:
             raise ValueError("beam_search runs on one engine; data_parallel_size > 1 is not supported here")
-        engine = self.llm_engine
+        adds = [partial(self.llm_engine.add_beam_search, p, params) for p in prompts]
+        return [to_beam_search_output(out) for out in self._add_and_run(adds, use_tqdm)]
+
+    def _add_and_run(self, adds: list[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue every request (each ``add`` returns its id; if one raises, those queued are
+        aborted and nothing is left behind), then step the engine until all have finished.
+        Callers on several threads take turns: each step's outputs go to one caller."""
         with self._lock:
             added: list[str] = []
             try:
-                for prompt in prompts:
-                    added.append(engine.add_beam_search(prompt, params))
+                for add in adds:
+                    added.append(add())
             except Exception:
                 for request_id in added:
-                    engine.abort_request(request_id)
+                    self.llm_engine.abort_request(request_id)
                 raise
-            return [to_beam_search_output(out) for out in self._run(added, use_tqdm)]
+            return self._run(added, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
