@@ -232,9 +232,7 @@ class Sampler:
         if batch.allowed or batch.banned or batch.logit_bias or batch.penalty_rows or batch.bitmask_rows:
             logits = logits.clone()
         for row, ids in batch.allowed:
-            keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
-            keep[ids] = True
-            logits[row].masked_fill_(~keep, float("-inf"))
+            logits[row] = _keep_only(raw[row], ids)
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
         if batch.allowed and batch.banned:
@@ -243,9 +241,7 @@ class Sampler:
             banned_rows = {row for row, _ in batch.banned}
             for row, ids in batch.allowed:
                 if row in banned_rows and bool(torch.isneginf(logits[row]).all()):
-                    keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
-                    keep[ids] = True
-                    logits[row] = raw[row].masked_fill(~keep, float("-inf"))
+                    logits[row] = _keep_only(raw[row], ids)
         if batch.logit_bias:
             rows, toks, biases = zip(*batch.logit_bias)
             logits.index_put_(
@@ -276,6 +272,13 @@ class Sampler:
             if g is not None:
                 u[i] = torch.rand((), generator=g, dtype=torch.float64)
         return u.to(device)
+
+
+def _keep_only(row: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """``row`` with every token but ``ids`` at -inf (allowed_token_ids)."""
+    keep = torch.zeros(row.shape[0], dtype=torch.bool, device=row.device)
+    keep[ids] = True
+    return row.masked_fill(~keep, float("-inf"))
 
 
 def filter_params(batch: SamplingBatch, rows: int) -> tuple[torch.Tensor, ...]:

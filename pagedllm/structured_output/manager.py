@@ -74,20 +74,21 @@ class StructuredOutputManager:
                 self._backend = xgrammar_backend.XgrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
             return self._backend
 
-    def _pool_for(self, params: StructuredOutputsParams) -> ThreadPoolExecutor:
-        """The compiler thread of the constraint's size, made on first use. Its torch ops run
-        single-threaded: only the engine's thread may run OpenMP teams (pagedllm/threads.py)."""
-        big = len(params.spec) > SMALL_CONSTRAINT_CHARS
+    def _pool_for(self, spec: str) -> ThreadPoolExecutor:
+        """The compiler thread for a constraint of this text (``params.spec``), made on first use.
+        Its torch ops run single-threaded: only the engine's thread may run OpenMP teams
+        (pagedllm/threads.py)."""
+        big = len(spec) > SMALL_CONSTRAINT_CHARS
         if big not in self._pools:
             name = "pagedllm-grammar-big" if big else "pagedllm-grammar"
             self._pools[big] = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=single_thread)
         return self._pools[big]
 
     def _compile(self, params: StructuredOutputsParams) -> Future:
-        key = params.key
+        key = params.key  # (kind, spec, ...): the spec is written out once
         future = self._compiling.get(key)
         if future is None:  # identical constraints arriving together compile once
-            future = self._pool_for(params).submit(lambda: self.backend().compile(params))
+            future = self._pool_for(key[1]).submit(lambda: self.backend().compile(params))
             self._compiling[key] = future
             future.add_done_callback(lambda _f: self._compiling.pop(key, None))
         return future

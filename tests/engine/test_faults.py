@@ -292,7 +292,7 @@ def test_only_the_engine_thread_runs_torch_on_several_threads(tiny_llama):
 
         async def probe() -> list[tuple[str, int]]:
             loop, pool_for = asyncio.get_running_loop(), llm.engine.structured._pool_for
-            small, big = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="a" * (1 << 15))
+            small, big = StructuredOutputsParams(regex="a+").spec, StructuredOutputsParams(regex="a" * (1 << 15)).spec
             return [await llm.call_in_engine(lambda _engine: counts()), await llm.run_in_worker(counts),
                     await loop.run_in_executor(pool_for(small), counts), await loop.run_in_executor(pool_for(big), counts)]  # fmt: skip
 
