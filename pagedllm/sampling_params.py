@@ -238,10 +238,11 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
-            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
-            if any(not _is_number(v) or not -100 <= v <= 100 for v in self.logit_bias.values()):
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {self.logit_bias!r}")
-            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
+            bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+            bad = [v for v in bias.values() if not (_is_number(v) and -100 <= v <= 100)]
+            if bad:  # (the first one: the whole dict may hold 4,096 entries)
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bad[0]!r}")
+            self.logit_bias = {k: float(v) for k, v in bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
