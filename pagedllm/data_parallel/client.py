@@ -257,6 +257,9 @@ class DPAsyncLLM(RequestStreams):
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def _steppers_alive(self) -> bool:
+        return all(r.process.is_alive() for r in self.replicas)
+
     def replica_loads(self) -> list[tuple[int, float]]:
         """(requests routed and unfinished, KV usage) per replica."""
         return [(load.num_requests, load.kv_cache_usage) for load in self.balancer.loads]

@@ -75,6 +75,14 @@ class RequestStreams:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._workers, lambda: fn(*args, **kwargs))
 
+    def healthy(self) -> bool:
+        """Whether the engine can serve: not dead, not shut down, and whatever runs its steps
+        still running (checked directly, so /health never waits for the death to be noticed)."""
+        return self.dead is None and not self._stopped and self._steppers_alive()
+
+    def _steppers_alive(self) -> bool:
+        raise NotImplementedError
+
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
@@ -240,6 +248,9 @@ class AsyncLLM(RequestStreams):
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
+
+    def _steppers_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -47,8 +47,13 @@ def test_a_dying_replica_fails_every_request(tiny_llama_tok, monkeypatch, how):
         return await asyncio.wait_for(asyncio.gather(victim, *normal), timeout=60)
 
     try:
+        assert llm.healthy()
+        with monkeypatch.context() as m:  # a replica gone but not yet noticed: /health already says so
+            m.setattr(llm.replicas[1].process, "is_alive", lambda: False)
+            assert not llm.healthy() and llm.dead is None
         results = asyncio.run(main())
         assert died.wait(10)
+        assert not llm.healthy()
         assert all("died" in r for r in results[1:] if r != "finished"), results
         assert any("died" in r for r in results), results
         with pytest.raises(EngineDeadError):

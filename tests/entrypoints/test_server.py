@@ -39,6 +39,8 @@ def test_models_health_version(server, client, model):
     missing = httpx.get(f"{server.url}/v1/models/no-such/model")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     assert httpx.get(f"{server.url}/health").status_code == 200
+    for path in ("/health", "/dashboard", "/dashboard/dashboard.js"):  # load balancers and link checkers probe with HEAD
+        assert httpx.head(f"{server.url}{path}").status_code == 200, path
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 

@@ -250,9 +250,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if llm.dead is not None:
+        if not llm.healthy():
             return error_response(503, "the engine is dead", "ServiceUnavailableError")
         return Response(status_code=200)
 

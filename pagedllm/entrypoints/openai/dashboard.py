@@ -32,11 +32,11 @@ def add_dashboard_routes(app: FastAPI, llm: AsyncLLM) -> list[RecentStats]:
     page = (STATIC / "dashboard.html").read_bytes()
     script = (STATIC / "dashboard.js").read_bytes()
 
-    @app.get("/dashboard")
+    @app.api_route("/dashboard", methods=["GET", "HEAD"])
     async def dashboard() -> Response:
         return Response(page, media_type="text/html; charset=utf-8")
 
-    @app.get("/dashboard/dashboard.js")
+    @app.api_route("/dashboard/dashboard.js", methods=["GET", "HEAD"])
     async def dashboard_js() -> Response:
         return Response(script, media_type="text/javascript; charset=utf-8")
 
