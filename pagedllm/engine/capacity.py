@@ -382,6 +382,9 @@ def kv_capacity(config: EngineConfig, arch: ModelArch, max_model_len: int, conte
     context = max_model_len if context_len is None else context_len
     if context < 1:
         raise ValueError(f"context_len must be a positive integer, got {context_len!r}")
+    if context > max_model_len:  # no request can be that long: a concurrency figure for it would mislead
+        raise ValueError(f"context_len ({context}) must be at most max_model_len ({max_model_len}); "
+                         f"raise --max-model-len to plan for longer requests")  # fmt: skip
     return KVCapacity(
         config.block_size, sizes.num_blocks, sizes.block_bytes, len(sizes.layout.groups), arch.num_layers,
         resolve_kv_cache_dtype(config.kv_cache_dtype, config.torch_dtype).name, max_model_len,

@@ -106,6 +106,8 @@ def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
     assert "max concurrent requests at 512 tokens each: 0" in text
     assert main(["estimate", "--model", str(tiny_llama), "--context-len", "0"]) == 2
     assert "context_len" in capsys.readouterr().err
+    assert main(["estimate", "--model", str(tiny_llama), "--max-model-len", "512", "--context-len", "513"]) == 2
+    assert "context_len (513) must be at most max_model_len (512)" in capsys.readouterr().err
     assert main(["estimate", "--model", str(tiny_llama), "--max-model-len", "100000"]) == 2
 
 
