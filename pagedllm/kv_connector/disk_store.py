@@ -90,6 +90,17 @@ class DiskKVStore(KVStore):
         self.total_bytes = 0
         self._scan()
 
+    def check_writable(self) -> None:
+        """A saver's store must take files: found at startup, not as a dropped save per block
+        (a directory can exist yet be read-only, or sit on a read-only mount)."""
+        probe = self.dir / f".probe-{secrets.token_hex(4)}.tmp"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"kv_transfer_config.path {str(self.root)!r} is not a writable directory "
+                             f"(this kv_role saves blocks there): {e}") from None
+
     # ------------------------------------------------------------------ index
     def _scan(self) -> None:
         """Index every block file under the root (all fingerprints share the cap) by mtime;

@@ -58,6 +58,8 @@ def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, b
         raise ValueError(f"kv_transfer_config.kv_connector {config.kv_connector!r} is unknown")
     store = DiskKVStore(config.path, fingerprint.digest, fingerprint.id, config.max_bytes, stats,
                         payload_bytes=block_bytes)  # fmt: skip
+    if config.saves:
+        store.check_writable()
     saver = BlockSaver(store, stats) if config.saves else None
     connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, block_bytes, stats),
                             WorkerConnector(saver, stats, store), saver)  # fmt: skip

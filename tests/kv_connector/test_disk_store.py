@@ -141,6 +141,21 @@ def test_an_unwritable_path_is_a_value_error(tmp_path):
         store(blocker / "sub")
 
 
+def test_a_saver_refuses_an_existing_directory_it_cannot_write(tmp_path, monkeypatch):
+    """A directory that exists but takes no files (read-only mode or mount; root ignores the
+    mode bits, so the failure is injected) is refused at startup, not found save by save."""
+    s = store(tmp_path)
+    s.check_writable()  # writable: nothing left behind
+    assert not [p for p in s.dir.iterdir() if p.name.startswith(".probe")]
+
+    def refuse(self, data):
+        raise PermissionError(13, "Read-only file system", str(self))
+
+    monkeypatch.setattr(type(s.dir), "write_bytes", refuse)
+    with pytest.raises(ValueError, match="kv_transfer_config.path .* is not a writable directory"):
+        s.check_writable()
+
+
 def test_payload_buffers_are_reused(tmp_path):
     from pagedllm.kv_connector.buffers import BufferPool
 
