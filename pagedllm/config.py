@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 import json
 from dataclasses import asdict, dataclass, fields
@@ -11,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedllm.checks import is_int, is_number
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
@@ -98,15 +99,6 @@ def _parse_json_config(cls: type, value: Any, name: str) -> Any:
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     return cls(**value)
-
-
-def _is_int(x: Any) -> bool:
-    """An integer that is not a bool (True would pass isinstance(x, int) as 1)."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # Speculative decoding: vLLM's ``speculative_config`` shape (the work is in spec_decode/).
@@ -283,23 +275,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
-        if not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
+        if not is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if self.kv_cache_space is not None and not (_is_number(self.kv_cache_space) and self.kv_cache_space > 0):
+        if self.kv_cache_space is not None and not (is_number(self.kv_cache_space) and self.kv_cache_space > 0):
             raise ValueError(f"kv_cache_space must be positive (GiB), got {self.kv_cache_space!r}")
-        if not _is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
+        if not is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if not (_is_number(self.swap_space) and self.swap_space > 0):
+        if not (is_number(self.swap_space) and self.swap_space > 0):
             raise ValueError(f"swap_space must be positive (GiB), got {self.swap_space!r}")
         if self.dense_weights not in ("auto", "yes", "no"):
             raise ValueError(f"dense_weights must be auto, yes or no, got {self.dense_weights!r}")
@@ -310,7 +302,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {self.activation_dtype!r}")
-        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):
+        if self.num_kv_blocks is not None and (not is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
@@ -320,9 +312,9 @@ class EngineConfig:
             raise ValueError("kv_transfer_config needs preemption_mode='recompute'")
         for name in ("max_loras", "max_lora_rank", "data_parallel_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_cpu_loras is not None and (not _is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras):
+        if self.max_cpu_loras is not None and (not is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
 
         if self.kv_transfer_config is not None and self.enable_lora:
@@ -333,14 +325,14 @@ class EngineConfig:
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not _is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+        if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if self.world_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size x pipeline_parallel_size "
                              f"({self.world_size})")  # fmt: skip
-        if self.master_port is not None and (not _is_int(self.master_port) or not 0 < self.master_port < 65535):
+        if self.master_port is not None and (not is_int(self.master_port) or not 0 < self.master_port < 65535):
             raise ValueError(f"master_port must be a TCP port below 65535, got {self.master_port!r}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("master_port is required with nnodes > 1 (every node must find the same rendezvous)")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json as _json
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.checks import is_int, is_number
 
 _GREEDY_EPS = 1e-5
 MIN_REPETITION_PENALTY = 0.01  # 1 = off; below 1 favours repeating
@@ -26,23 +27,14 @@ MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar bigger than 1 MiB i
 MAX_CHOICES = 4096
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _token_key(k: Any) -> int:
     """A logit_bias key: a token id, as an integer or a string of one (JSON's object keys are
     strings); 1.7 or True are refused rather than taken as token 1."""
-    if _is_int(k):
+    if is_int(k):
         return k
     if isinstance(k, str) and len(k) <= 24 and k.strip().lstrip("+-").isdecimal():
         return int(k)
     raise ValueError(f"logit_bias keys must be token ids (integers, or strings of them), got {k!r}")
-
-
-def _is_number(x: Any) -> bool:
-    """A finite real number (NaN and infinities are refused everywhere)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check_len(name: str, value: Any, limit: int) -> None:
@@ -179,39 +171,39 @@ class SamplingParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer at least n ({self.n}), got {self.best_of!r}")
         if not isinstance(self.use_beam_search, bool):
             raise ValueError(f"use_beam_search must be true or false, got {self.use_beam_search!r}")
-        if not _is_number(self.length_penalty):
+        if not is_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
-        if self.early_stopping not in (True, False, "never") or (_is_int(self.early_stopping) and not isinstance(self.early_stopping, bool)):
+        if self.early_stopping not in (True, False, "never") or (is_int(self.early_stopping) and not isinstance(self.early_stopping, bool)):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
         if self.use_beam_search and self.temperature != 0:
             raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite non-negative number, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k > INT64_MAX:
+        if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k > INT64_MAX:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a 64-bit integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
+            if not is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty < MIN_REPETITION_PENALTY:
+        if not is_number(self.repetition_penalty) or self.repetition_penalty < MIN_REPETITION_PENALTY:
             # (dividing logits by a tinier one overflows them to infinity)
             raise ValueError(f"repetition_penalty must be a finite number of at least {MIN_REPETITION_PENALTY}, "
                              f"got {self.repetition_penalty!r}")  # fmt: skip
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
             raise ValueError(f"max_tokens must be an integer in [1, {INT64_MAX}], got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise ValueError(f"min_tokens must be an integer in [0, {INT64_MAX}], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -233,13 +225,13 @@ class SamplingParams:
         self.stop_token_ids = self._token_list("stop_token_ids", self.stop_token_ids) or []
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
             bias = {_token_key(k): v for k, v in self.logit_bias.items()}
-            bad = [v for v in bias.values() if not (_is_number(v) and -100 <= v <= 100)]
+            bad = [v for v in bias.values() if not (is_number(v) and -100 <= v <= 100)]
             if bad:  # (the first one: the whole dict may hold 4,096 entries)
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bad[0]!r}")
             self.logit_bias = {k: float(v) for k, v in bias.items()}
@@ -269,7 +261,7 @@ class SamplingParams:
     def _token_list(name: str, value: Any) -> list[int] | None:
         if value is None:
             return None
-        if not isinstance(value, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in value):
+        if not isinstance(value, (list, tuple)) or not all(is_int(t) and t >= 0 for t in value):
             raise ValueError(f"{name} must be a list of non-negative token ids, got {value!r}")
         return list(value)
 

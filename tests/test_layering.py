@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pagedllm"
 # Unit -> layer. A unit is a subpackage or a top-level module of pagedllm.
 LAYERS = {
     "kernels": 0,
+    "checks": 0.5,  # type checks the configs and sampling parameters share
     "version": 1, "config": 1, "logger": 1, "threads": 1, "memory": 1, "sampling_params": 1, "outputs": 1, "lora": 1,
     "request": 2,
     "kv_cache": 3, "kv_connector": 3, "attention": 3, "sampler": 3, "quantization": 3,
