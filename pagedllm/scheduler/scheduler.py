@@ -81,9 +81,11 @@ class Scheduler:
                 f"blocks but the pool holds only {self.kv.num_blocks}; lower max_tokens or raise kv_cache_space/num_kv_blocks"
             )
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request (ValueError, changing nothing, if it could never run)."""
-        self.check_request(request)
+    def add_request(self, request: Request, check: bool = True) -> None:
+        """Queue a request (ValueError, changing nothing, if it could never run). ``check=False``:
+        the caller has checked what it will run (a beam search's step requests)."""
+        if check:
+            self.check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -139,7 +141,8 @@ class Scheduler:
                 budget -= n + len(spec)
 
         # 2. Waiting requests; under fcfs not in a step that had to preempt for blocks. A request
-        # whose LoRA adapter would exceed max_loras waits, without holding up those behind it.
+        # whose LoRA adapter would exceed max_loras waits, without holding up those behind it;
+        # so does one that lacks blocks while nothing runs (``_blocked_by_idle_holders``).
         loras = self._running_loras()
         skipped: list[Request] = []
         while self.waiting and budget > 0 and not (out.preempted_ids and policy == "fcfs") and len(out.scheduled) < cap:
@@ -169,6 +172,9 @@ class Scheduler:
             if swapped and not self.kv.swap_in(req.request_id, num_computed + n):
                 refund = self._preempt_for(req, out, in_flight)
                 if refund is None:
+                    if self._blocked_by_idle_holders():
+                        skipped.append(self.waiting.pop())
+                        continue
                     break
                 budget += refund
                 continue
@@ -176,6 +182,9 @@ class Scheduler:
                 assert not swapped  # swap_in reserved room for these tokens
                 refund = self._preempt_for(req, out, in_flight)
                 if refund is None:
+                    if self._blocked_by_idle_holders():
+                        skipped.append(self.waiting.pop())
+                        continue
                     break
                 budget += refund
                 continue
@@ -208,6 +217,13 @@ class Scheduler:
         if debug:
             self._log_step(out, marks)
         return out
+
+    def _blocked_by_idle_holders(self) -> bool:
+        """Whether the waiting queue's head lacks blocks while nothing runs: what holds them then
+        is not a running request (a beam search's holders, kept until its step requests run),
+        so waiting for a finish would wait forever. The head keeps its place; the requests
+        behind it may run (those step requests among them) until something runs again."""
+        return not self.running
 
     def _running_loras(self) -> set[int] | None:
         """The adapters of the running requests (None with LoRA off)."""
