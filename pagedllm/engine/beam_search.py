@@ -40,7 +40,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.outputs import CompletionOutput, RequestOutput, RowLogprobs
@@ -112,7 +112,9 @@ class BeamSearchOutput:
 class _Beam:
     tokens: list[int]  # generated so far; the last one is what this step's request computes
     cum_logprob: float
-    holder: str | None = None  # KV table id holding its blocks once its request retired
+    # KV table id holding its blocks once its request retired: a tuple, so no request id (a
+    # string, whatever a caller chose) can ever name the same table.
+    holder: tuple[str, str] | None = None
     row: RowLogprobs | None = None  # what its request reported this step
 
 
@@ -136,8 +138,11 @@ class _Group:
 class BeamSearch:
     """Runs beam-search groups through the scheduler (see the module docstring)."""
 
-    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, detokenize: Any | None = None):
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, detokenize: Any | None = None,
+                 id_in_use: Callable[[str], bool] = lambda request_id: False):  # fmt: skip
+        """``id_in_use``: whether the engine knows a request id (a step request's id skips it)."""
         self.scheduler = scheduler
+        self.id_in_use = id_in_use
         self.kv = kv
         self.detokenize = detokenize  # token ids -> text, or None
         self.groups: dict[str, _Group] = {}
@@ -223,6 +228,8 @@ class BeamSearch:
 
     def _request(self, group: _Group, beam: _Beam, token_ids: list[int], num_computed: int, first: bool = False) -> Request:
         rid = f"{group.group_id}-beam{next(self._ids)}"
+        while self.id_in_use(rid) or rid in self.scheduler.requests:  # a caller's own id of that form
+            rid = f"{group.group_id}-beam{next(self._ids)}"
         k = self.num_candidates(group.params, group.eos)
         # max_tokens=2: the request samples once and is retired before it could sample again.
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=k, detokenize=False)
@@ -238,7 +245,9 @@ class BeamSearch:
     def _submit(self, group: _Group, beam: _Beam, req: Request) -> None:
         group.requests[req.request_id] = beam
         self._by_request[req.request_id] = group.group_id
-        self.scheduler.add_request(req)
+        # Checked as a whole search in add(); a step request's own max_tokens (2, see _request)
+        # would overshoot max_model_len on the last step of a search that reaches it.
+        self.scheduler.add_request(req, check=False)
 
     def tracks(self, request_id: str) -> bool:
         return request_id in self._by_request
@@ -260,7 +269,7 @@ class BeamSearch:
             beam = group.requests.pop(req.request_id)
             del self._by_request[req.request_id]
             beam.row = rows[-1]
-            beam.holder = f"{req.request_id}-kv"
+            beam.holder = ("beam-holder", req.request_id)
             self.kv.fork(req.request_id, beam.holder)
             if not req.status.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)

@@ -123,7 +123,7 @@ class LLMEngine:
         self.output_processor.on_fault = self._fail_request
         self.parallel = ParallelSampling(self.scheduler, share_prompt=config.enable_prefix_caching)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
-        self.beams = BeamSearch(self.scheduler, self.kv_cache_manager, detok)
+        self.beams = BeamSearch(self.scheduler, self.kv_cache_manager, detok, id_in_use=self._id_in_use)
         self.best_of = BestOf()
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
@@ -203,7 +203,7 @@ class LLMEngine:
             if not req.max_tokens_given:  # W beams share the pool: the longest search that fits
                 beam = replace(beam, max_tokens=self.beams.longest_fit(len(req.prompt_token_ids), beam.beam_width,
                                                                        beam.max_tokens))  # fmt: skip
-            if request_id in self.output_processor.parents or request_id in self._samples_of:
+            if self._id_in_use(request_id):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,
                            req.priority, num_return=params.n)  # fmt: skip
@@ -212,7 +212,7 @@ class LLMEngine:
             self.best_of.add(request_id, params)
             params, output_kind = expand_best_of(params), RequestOutputKind.FINAL_ONLY
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        if request_id in self.output_processor.parents or any(i in self.scheduler.requests for i in ids):
+        if self._id_in_use(request_id) or any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         samples = [
             Request(
@@ -247,10 +247,16 @@ class LLMEngine:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         req = self.processor.process(prompt, SamplingParams(max_tokens=params.max_tokens), priority)
         request_id = request_id if request_id is not None else self.next_request_id()
-        if request_id in self.output_processor.parents or request_id in self._samples_of:
+        if self._id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority)
         return request_id
+    def _id_in_use(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a live request of any kind: a caller's (and its samples'
+        parent), a beam search, or a step request of one."""
+        return (request_id in self.output_processor.parents or request_id in self._samples_of
+                or request_id in self.beams.groups or request_id in self.scheduler.requests)  # fmt: skip
+
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and validate an adapter (kept in the LRU of max_cpu_loras); ValueError if it

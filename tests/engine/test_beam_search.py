@@ -226,3 +226,68 @@ def test_searches_that_fit_only_one_at_a_time_run_one_after_another():
 
     alone = {**run([0]), **run([1])}
     assert run([0, 1]) == alone and len(alone) == 2
+
+
+def _drain(engine, max_steps: int = 2000) -> list:
+    outs = []
+    for _ in range(max_steps):  # a deadlock never ends
+        outs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), "the engine stopped making progress"
+    engine.kv_cache_manager.check_integrity()
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    return [o for o in outs if o.finished]
+
+
+@pytest.mark.parametrize("order", ["beam-first", "plain-first"])
+def test_a_search_and_a_plain_request_short_of_blocks_both_finish(tiny_llama, order):
+    """A beam search beside an ordinary request in a pool too small for both (found by an
+    adversarial session): the plain request preempted itself and then headed the queue, waiting
+    for blocks that only the search's holders had, while the search's step requests waited
+    behind it: nothing ran, forever. Each gives what it gives alone."""
+    beam = BeamSearchParams(beam_width=2, max_tokens=30, ignore_eos=True)  # at most 7 blocks
+    plain = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)  # 120 tokens: all 8 blocks
+
+    def run(which: list[str]) -> dict[str, list[list[int]]]:
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8), log_stats_interval=0)
+        for w in which:
+            if w == "beam":
+                engine.add_beam_search({"prompt_token_ids": list(range(10, 30))}, beam, "beam")
+            else:
+                engine.add_request({"prompt_token_ids": list(range(20, 60))}, plain, "plain")
+        return {o.request_id: [c.token_ids for c in o.outputs] for o in _drain(engine)}
+
+    alone = {**run(["beam"]), **run(["plain"])}
+    both = run(["beam", "plain"] if order == "beam-first" else ["plain", "beam"])
+    assert both == alone
+
+
+def test_a_search_may_reach_max_model_len(tiny_llama):
+    """prompt + max_tokens == max_model_len is a valid search; its last step request (the
+    prompt and all but one token, asked for 2 tokens to be retired after 1) was checked as a
+    new request and refused inside the step, which killed the served engine."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=100, block_size=4, max_model_len=16), log_stats_interval=0)
+    engine.add_beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True), "b")
+    (out,) = _drain(engine)
+    assert [len(c.token_ids) for c in out.outputs] == [6, 6] and {c.finish_reason for c in out.outputs} == {"length"}
+
+
+def test_request_ids_of_searches_and_requests_never_mix(tiny_llama):
+    """An ordinary request under a live search's id is refused (it was accepted, and both then
+    failed); a caller's id shaped like a search's step request never meets one."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=100, block_size=4), log_stats_interval=0)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True), "x")
+    with pytest.raises(ValueError, match="request_id 'x' is already in use"):
+        engine.add_request({"prompt_token_ids": [8, 9]}, params, "x")
+    live = next(iter(engine.scheduler.requests))  # the search's first step request
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request({"prompt_token_ids": [8, 9]}, params, live)
+    # Ids the search would give its next step requests, taken first by a caller.
+    for i in range(1, 41):
+        engine.add_request({"prompt_token_ids": [8, 9]}, params, f"x-beam{i}")
+    finished = {o.request_id: o for o in _drain(engine)}
+    assert len(finished) == 41 and all(o.error is None for o in finished.values())
+    assert len(finished["x"].outputs) == 2 and all(len(c.token_ids) == 4 for c in finished["x"].outputs)
+    assert all(len(finished[f"x-beam{i}"].outputs[0].token_ids) == 4 for i in range(1, 41))
