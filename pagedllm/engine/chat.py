@@ -131,7 +131,7 @@ def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
     note = ("You can call functions. Their signatures:\n<tools>\n" + listing + "\n</tools>\n"
             "To call one, reply with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>.")  # fmt: skip
     out = []
-    for m in messages:
+    for m in template_messages(messages):  # arguments as objects, as the note asks the model for
         if m.get("role") == "assistant" and m.get("tool_calls"):
             text = "".join(
                 "<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},

@@ -53,3 +53,111 @@ def test_text_that_is_no_call_stays_content(name, text):
 def test_unknown_parser_is_a_clear_error():
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
+
+
+# What a model may write that looks like calls but is none (found by an adversarial session:
+# each was a 500, or a stream cut off without an error event).
+MALFORMED = {
+    "pythonic": ["[f(a={1, 2})]", "[f(a={[1]})]", "[f(a=b'x')]", "[f(a=1e999)]", "[f(a=" + "[" * 1100 + "]" * 1100 + ")]"],
+    "hermes": ["<tool_call>" + "[" * 1100, '<tool_call>{"name": "f", "arguments": "oops"}</tool_call>',
+               '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'],
+    "llama3_json": ['{"name": "f", "parameters": ' + "[" * 1100 + "]" * 1100 + "}", '{"name": "f", "parameters": "[1]"}'],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name,text", [(n, t) for n, texts in MALFORMED.items() for t in texts])
+def test_malformed_calls_are_content_never_an_error(name, text):
+    assert get_tool_parser(name).extract(text) == (text, [])
+    stream = StreamingToolCalls(get_tool_parser(name))
+    sent = stream.feed(text)
+    rest, calls = stream.finish()
+    assert sent + rest == text and calls == []
+
+
+def test_hermes_arguments_written_as_json_text_are_taken():
+    _, calls = get_tool_parser("hermes").extract('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+
+
+def _streamed(tools, parser, text: str, finish_reason: str):
+    """A choice's deltas through the server's tool stream, the text fed in 3-character pieces."""
+    from pagedllm.entrypoints.openai.serving import _ToolStream
+
+    stream, deltas = _ToolStream(tools, parser), []
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for k, piece in enumerate(pieces):
+        deltas.append(stream.delta(piece, finish_reason if k == len(pieces) - 1 else None))
+    content = "".join(d.get("content", "") for d, _ in deltas)
+    calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
+    return content, calls, deltas[-1][1]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_stream_cut_by_max_tokens_sends_the_call_text_as_content():
+    from pagedllm.entrypoints.openai.tools import ToolChoice
+
+    text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    content, calls, made = _streamed(ToolChoice("auto", TOOLS), get_tool_parser("hermes"), text, "length")
+    assert content == text and calls == [] and not made  # the call text was lost
+
+
+def test_a_call_to_an_undeclared_function_is_content():
+    from pagedllm.entrypoints.openai.tools import ToolChoice
+
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    content, calls, made = _streamed(ToolChoice("auto", TOOLS), get_tool_parser("hermes"), text, "stop")
+    assert content == text and calls == [] and not made
+    content, calls, made = _streamed(ToolChoice("auto", TOOLS), get_tool_parser("hermes"), text.replace("rm_rf", "get_weather"), "stop")
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"] and made
+
+
+def test_named_call_cut_by_a_stop_string_is_not_a_tool_call():
+    from pagedllm.entrypoints.openai.tools import ToolChoice
+
+    named = ToolChoice("named", TOOLS, "get_weather")
+    _, _, made = _streamed(named, None, '{\n  "city": "Paris",\n  ', "stop")
+    assert not made  # finish_reason stays "stop", not "tool_calls" with arguments that do not parse
+    _, calls, made = _streamed(named, None, '{"city": "Paris"}', "stop")
+    assert made and "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+
+
+def test_a_failure_in_the_servers_own_stream_code_ends_with_an_error_event():
+    """Not only engine errors: any exception while a stream is written gives the client an
+    error event and [DONE] (a parser bug cut streams off mid-body), and aborts the request."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.serving import _aborting_on_exit
+
+    class Engine:
+        aborted: list[str] = []
+
+        def abort(self, rid: str) -> None:
+            self.aborted.append(rid)
+
+    async def body():
+        yield "data: {}\n\n"
+        raise RuntimeError("a bug")
+
+    async def collect(engine):
+        return [chunk async for chunk in _aborting_on_exit(engine, ["r1"], body())]
+
+    engine = Engine()
+    chunks = asyncio.run(collect(engine))
+    assert chunks[0] == "data: {}\n\n" and chunks[-1] == "data: [DONE]\n\n"
+    error = json.loads(chunks[1].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and "r1" in error["message"] and engine.aborted == ["r1"]
+
+
+def test_earlier_calls_are_shown_with_their_arguments_as_an_object():
+    """For templates that ignore tools, earlier calls are written into the text: with the
+    arguments object the system note asks the model for, not OpenAI's JSON string of it."""
+    from pagedllm.engine.chat import describe_tools
+
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    shown = describe_tools(messages, TOOLS)[2]["content"]
+    assert shown == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

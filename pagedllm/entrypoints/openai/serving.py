@@ -108,6 +108,10 @@ async def _aborting_on_exit(llm: AsyncLLM, ids: list[str], body: AsyncIterator[s
         logger.warning("stream %s ended by an engine error: %s", ids[0], e)
         yield stream_error_event(e, ids[0])
         yield "data: [DONE]\n\n"
+    except Exception as e:  # a bug in the server's own part of the stream: the client still hears of it
+        logger.error("stream %s failed: %s: %s", ids[0], type(e).__name__, e, exc_info=e)
+        yield stream_error_event(e, ids[0])
+        yield "data: [DONE]\n\n"
     finally:
         for rid in ids:
             llm.abort(rid)
@@ -405,7 +409,7 @@ class OpenAIServing:
             return text, None
         if tools.mode == "auto":
             content, calls = self.tool_parser.extract(text)
-            return content, calls or None
+            return (content, calls) if calls and tools.declares(calls) else (text, None)
         return None, tools.calls(text) or None
 
     async def _chat_stream(self, req, params, stream, rid, created, num_prompt_tokens, tools=None) -> AsyncIterator[str]:
@@ -489,7 +493,8 @@ class _ToolStream:
         self.text += text
         done = finish_reason is not None
         if self.tools.mode == "named":
-            made = done and finish_reason != "length"
+            # A call only if the arguments are complete: a stop string may cut them short.
+            made = done and finish_reason != "length" and self.tools.calls(self.text) is not None
             if self.call is None:
                 self.call = ToolCall(self.tools.name or "", "")
                 first = {**self.call.to_openai(0)}
@@ -500,11 +505,11 @@ class _ToolStream:
             content = self.auto.feed(text)
             if not done:
                 return ({"content": content} if content else {}), False
-            rest, calls = self.auto.finish()
+            rest, calls = self.auto.finish(lambda calls: finish_reason != "length" and self.tools.declares(calls))
             delta: dict[str, Any] = {"content": content + rest} if content + rest else {}
-            if calls and finish_reason != "length":
+            if calls:
                 delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
-            return delta, bool(calls) and finish_reason != "length"
+            return delta, bool(calls)
         if not done:  # required: the calls are sent whole at the end
             return {}, False
         calls = self.tools.calls(self.text) if finish_reason != "length" else None

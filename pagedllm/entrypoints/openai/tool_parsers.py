@@ -6,7 +6,8 @@
 - ``llama3_json``: the reply is ``{"name": ..., "parameters": {...}}`` objects separated by ``;``;
 - ``pythonic``: the reply is a Python list of calls, ``[get_weather(city="Paris"), ...]``.
 
-A reply that does not parse as calls is plain content (never an error). Streaming holds back
+A reply that does not parse as calls is plain content (never an error: whatever a model writes,
+e.g. a Python set, a number JSON cannot hold, or 1,000 nested brackets). Streaming holds back
 only what may be the start of a call; once a call starts, the rest is buffered and the calls
 are sent when the reply ends.
 """
@@ -18,7 +19,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -32,13 +33,20 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
+def _arguments_json(args: Any) -> str | None:
+    """A call's arguments as OpenAI's JSON text of an object (None if they are not one)."""
+    if isinstance(args, str):  # already JSON text (some models write it so): it must hold an object
+        return args if isinstance(json.loads(args), dict) else None
+    return json.dumps(args, ensure_ascii=False, allow_nan=False) if isinstance(args, dict) else None
+
+
 def _call_from_object(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     for key in args_keys:
         if key in obj:
-            args = obj[key]
-            return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+            args = _arguments_json(obj[key])
+            return None if args is None else ToolCall(obj["name"], args)
     return ToolCall(obj["name"], "{}")
 
 
@@ -49,6 +57,12 @@ class ToolParser:
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls or None, calls); no calls -> (text, [])."""
+        try:
+            return self._extract(text)
+        except (ValueError, TypeError, RecursionError):  # JSON/literal errors, unencodable values, deep nesting
+            return text, []
+
+    def _extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
     def call_start(self, text: str) -> int | None:
@@ -65,16 +79,13 @@ class HermesToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def _extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = text.find(self.START)
         if start < 0:
             return text, []
         calls = []
         for body in self._CALL.findall(text[start:]):
-            try:
-                call = _call_from_object(json.loads(body), ("arguments", "parameters"))
-            except json.JSONDecodeError:
-                call = None
+            call = _call_from_object(json.loads(body), ("arguments", "parameters"))
             if call is None:
                 return text, []  # not well-formed: leave it to the client as text
             calls.append(call)
@@ -109,16 +120,13 @@ class Llama3JsonToolParser(_WholeReplyParser):
     name = "llama3_json"
     first_char = "{"
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def _extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
         decoder, calls, i = json.JSONDecoder(), [], 0
         while i < len(body):
-            try:
-                obj, i = decoder.raw_decode(body, i)
-            except json.JSONDecodeError:
-                return text, []
+            obj, i = decoder.raw_decode(body, i)
             call = _call_from_object(obj, ("parameters", "arguments"))
             if call is None:
                 return text, []
@@ -132,11 +140,11 @@ class PythonicToolParser(_WholeReplyParser):
     name = "pythonic"
     first_char = "["
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def _extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
         try:
             tree = ast.parse(body, mode="eval").body
-        except SyntaxError:
+        except SyntaxError:  # (not a ValueError)
             return text, []
         if not isinstance(tree, ast.List) or not tree.elts:
             return text, []
@@ -144,11 +152,8 @@ class PythonicToolParser(_WholeReplyParser):
         for node in tree.elts:
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
                 return text, []
-            try:
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-            except ValueError:
-                return text, []
-            calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
         return None, calls
 
 
@@ -184,9 +189,10 @@ class StreamingToolCalls:
         out, self.sent = self.text[self.sent : safe], safe
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content still unsent, calls) once the reply is complete."""
+    def finish(self, accept: Callable[[list[ToolCall]], bool] = lambda calls: True) -> tuple[str, list[ToolCall]]:
+        """(content still unsent, calls) once the reply is complete; calls that ``accept``
+        refuses (a reply cut by max_tokens, an undeclared function) are sent as content."""
         _, calls = self.parser.extract(self.text)
-        if calls and self.in_call:
+        if calls and self.in_call and accept(calls):
             return "", calls
         return self.text[self.sent :], []

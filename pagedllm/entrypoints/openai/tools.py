@@ -57,19 +57,21 @@ class ToolChoice:
                 return t["function"].get("parameters") or _EMPTY_PARAMETERS
         raise KeyError(name)
 
+    def declares(self, calls: list[ToolCall]) -> bool:
+        """Whether every call names a function of ``tools`` (a model may invent one: its reply
+        is then text, as OpenAI never returns a call to a function it was not given)."""
+        names = {t["function"]["name"] for t in self.tools}
+        return all(c.name in names for c in calls)
+
     def calls(self, text: str) -> list[ToolCall] | None:
         """The calls in a forced choice's (grammar-shaped) output; None if it is incomplete."""
-        if self.mode == "named":
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return None
-            return [ToolCall(self.name or "", text.strip())]
-        try:
+        try:  # (a stop string or max_tokens may cut the grammar's output short; nesting may be deep)
+            if self.mode == "named":
+                return [ToolCall(self.name or "", text.strip())] if isinstance(json.loads(text), dict) else None
             items = json.loads(text)
-        except json.JSONDecodeError:
+            return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
-        return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
