@@ -66,6 +66,42 @@ def _structural_tag_args(tag: dict | str) -> tuple[Any, ...]:
     return (json.dumps(tag),)
 
 
+# JSON Schema keywords xgrammar's converter passes over without enforcing them (each checked
+# by a test: the grammar is the same with and without it). A schema using one is refused, so
+# "valid against the schema" stays true of every output that ends with finish_reason "stop".
+# (unevaluatedProperties / unevaluatedItems are passed over too, but the converter's strict
+# mode already forbids what they would: properties and items the schema does not list.)
+UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "if", "then", "else", "dependentRequired",
+                       "dependentSchemas", "dependencies")  # fmt: skip
+# Where a schema holds subschemas: one, a list of them, or a name -> subschema map.
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
+    """Where ``schema`` uses a keyword the grammar cannot enforce: ["#/properties/a: uniqueItems", ...]."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{path}: {k}" for k in UNENFORCED_KEYWORDS if k in schema]
+    if schema.get("uniqueItems") is True:
+        found.append(f"{path}: uniqueItems")
+    if schema.get("type") == []:
+        found.append(f"{path}: type [] (no value can match)")
+    for key in _SUBSCHEMA:
+        found += unenforced_keywords(schema.get(key), f"{path}/{key}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                found += unenforced_keywords(sub, f"{path}/{key}/{i}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found += unenforced_keywords(sub, f"{path}/{key}/{name}")
+    return found
+
+
 def parse(params: StructuredOutputsParams) -> None:
     """Raise ValueError naming the problem if the constraint is not valid (no tokenizer needed)."""
     import xgrammar as xgr
@@ -79,6 +115,14 @@ def parse(params: StructuredOutputsParams) -> None:
                     json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"the schema is not valid JSON ({e})") from e
+            if schema:  # ("" is json_object's: any object)
+                try:
+                    unenforced = unenforced_keywords(json.loads(schema))
+                except RecursionError:
+                    raise ValueError("the schema is nested too deeply") from None
+                if unenforced:
+                    raise ValueError(f"the schema uses keywords the grammar cannot enforce ({'; '.join(unenforced[:5])}); "
+                                     f"outputs could break them, so the schema is refused")  # fmt: skip
             xgr.Grammar.from_json_schema(schema, **_whitespace(params))
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)

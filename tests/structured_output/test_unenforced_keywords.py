@@ -1,0 +1,53 @@
+"""Schema keywords xgrammar passes over are refused (an adversarial session found outputs with
+finish_reason "stop" that broke uniqueItems, if/then and dependentRequired)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.backend import UNENFORCED_KEYWORDS, parse, unenforced_keywords
+
+PAIR = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+ARRAY = {"type": "array", "items": {"type": "integer"}}
+# Each keyword in a schema, and an output that breaks the schema through that keyword alone.
+USES = {
+    "contains": ({**ARRAY, "contains": {"const": 1}}, "[2]"),
+    "minContains": ({**ARRAY, "contains": {"const": 1}, "minContains": 2}, "[2, 3]"),
+    "maxContains": ({**ARRAY, "contains": {"const": 1}, "maxContains": 1}, "[1, 1]"),
+    "if": ({"type": "object", "properties": PAIR, "if": {"properties": {"a": {"const": 1}}, "required": ["a"]},
+            "then": {"required": ["b"]}}, '{"a": 1}'),  # fmt: skip
+    "else": ({"type": "object", "properties": PAIR, "if": {"required": ["a"]}, "else": {"required": ["b"]}}, "{}"),
+    "dependentRequired": ({"type": "object", "properties": PAIR, "dependentRequired": {"a": ["b"]}}, '{"a": 17}'),
+    "dependentSchemas": ({"type": "object", "properties": PAIR, "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 17}'),
+    "dependencies": ({"type": "object", "properties": PAIR, "dependencies": {"a": ["b"]}}, '{"a": 17}'),
+    "uniqueItems": ({**ARRAY, "uniqueItems": True}, "[1, 1]"),
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(USES))
+def test_the_grammar_lets_each_listed_keyword_be_broken_and_parse_refuses_it(keyword):
+    import jsonschema
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    assert keyword in UNENFORCED_KEYWORDS + ("uniqueItems",)
+    schema, breaking = USES[keyword]
+    # The list is honest: xgrammar's grammar takes an output the schema forbids.
+    draft = jsonschema.Draft7Validator if keyword == "dependencies" else jsonschema.Draft202012Validator  # (draft 7's word)
+    assert not draft(schema).is_valid(json.loads(breaking))
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), breaking)
+    with pytest.raises(ValueError, match=f"structured_outputs.json is invalid: the schema uses keywords .*{keyword}"):
+        parse(StructuredOutputsParams(json=schema))
+
+
+def test_keywords_are_found_where_subschemas_are_and_only_there():
+    schema = {"type": "object", "properties": {"contains": {"type": "string"},  # a property's name, not a keyword
+                                               "tags": {**ARRAY, "uniqueItems": True}},
+              "$defs": {"x": {"anyOf": [{"if": {}}]}}, "items": [{"dependentRequired": {}}]}  # fmt: skip
+    assert unenforced_keywords(schema) == ["#/items/0: dependentRequired", "#/properties/tags: uniqueItems", "#/$defs/x/anyOf/0: if"]
+    assert unenforced_keywords({"type": []}) == ["#: type [] (no value can match)"]
+    assert unenforced_keywords({**ARRAY, "uniqueItems": False, "minItems": 2}) == []
+    parse(StructuredOutputsParams(json={"type": "object", "properties": {"contains": {"type": "string"}}}))  # accepted
