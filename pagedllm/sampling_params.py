@@ -175,8 +175,10 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
         if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer at least n ({self.n}), got {self.best_of!r}")
-        if not isinstance(self.use_beam_search, bool):
-            raise ValueError(f"use_beam_search must be true or false, got {self.use_beam_search!r}")
+        for name in ("use_beam_search", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):  # ("yes" or None would read as a bool)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not is_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never") or (is_int(self.early_stopping) and not isinstance(self.early_stopping, bool)):

@@ -115,6 +115,9 @@ def test_bad_input_is_a_value_error_and_the_engine_keeps_working(llm, prompt, pa
         (dict(temperature=-0.5), "temperature"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(seed="x"), "seed"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(skip_special_tokens=None), "skip_special_tokens"),
+        (dict(detokenize=1), "detokenize"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
