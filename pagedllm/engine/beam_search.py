@@ -37,6 +37,7 @@ length_penalty > 0. The search returns the finished set, best first.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ from pagedllm.outputs import CompletionOutput, RequestOutput, RowLogprobs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedllm.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("pagedllm.engine")
 
 EARLY_STOPPING = (True, False, "never")
 
@@ -277,7 +280,11 @@ class BeamSearch:
         for gid in touched:
             group = self.groups[gid]
             if not group.requests:  # every beam reported
-                self._advance(group)
+                try:
+                    self._advance(group)
+                except Exception as e:  # a fault in one search ends that search, not the engine
+                    logger.error("beam search %s failed: %s: %s", gid, type(e).__name__, e, exc_info=e)
+                    self.abort(gid, error=f"{type(e).__name__}: {e}")
 
     def _advance(self, group: _Group) -> None:
         p, w = group.params, group.params.beam_width
@@ -355,8 +362,9 @@ class BeamSearch:
             outputs.append(out)
         self._ready.append(RequestOutput(group.group_id, group.prompt, group.prompt_token_ids, outputs, finished=True))
 
-    def abort(self, group_id: str) -> RequestOutput | None:
-        """End a search now (its requests and holders freed); returns its final output."""
+    def abort(self, group_id: str, error: str | None = None) -> RequestOutput | None:
+        """End a search now (its requests and holders freed); returns its final output
+        (finish_reason "error" with ``error``, else "abort")."""
         group = self.groups.pop(group_id, None)
         if group is None:
             return None
@@ -368,7 +376,8 @@ class BeamSearch:
         self._release(group.beams)
         self._start_waiting()
         out = RequestOutput(group_id, group.prompt, group.prompt_token_ids,
-                            [CompletionOutput(0, "", [], finish_reason="abort")], finished=True)  # fmt: skip
+                            [CompletionOutput(0, "", [], finish_reason="abort" if error is None else "error")],
+                            finished=True, error=error)  # fmt: skip
         self._ready.append(out)
         return out
 

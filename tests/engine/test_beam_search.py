@@ -291,3 +291,27 @@ def test_request_ids_of_searches_and_requests_never_mix(tiny_llama):
     assert len(finished) == 41 and all(o.error is None for o in finished.values())
     assert len(finished["x"].outputs) == 2 and all(len(c.token_ids) == 4 for c in finished["x"].outputs)
     assert all(len(finished[f"x-beam{i}"].outputs[0].token_ids) == 4 for i in range(1, 41))
+
+
+def test_a_fault_inside_one_search_ends_that_search_only(tiny_llama, monkeypatch):
+    """A bug in a search's own step (e.g. the max_model_len refusal above) ends it with
+    finish_reason "error"; the engine and the requests beside it go on."""
+    from pagedllm.engine.beam_search import BeamSearch
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=100, block_size=4), log_stats_interval=0)
+    advance = BeamSearch._advance
+
+    def failing(self, group):
+        if group.group_id == "bad":
+            raise RuntimeError("injected")
+        return advance(self, group)
+
+    monkeypatch.setattr(BeamSearch, "_advance", failing)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    engine.add_beam_search({"prompt_token_ids": PROMPT}, params, "bad")
+    engine.add_beam_search({"prompt_token_ids": PROMPT}, params, "good")
+    engine.add_request({"prompt_token_ids": PROMPT[:4]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "plain")
+    outs = {o.request_id: o for o in _drain(engine)}
+    assert outs["bad"].outputs[0].finish_reason == "error" and "injected" in outs["bad"].error
+    assert [len(c.token_ids) for c in outs["good"].outputs] == [4, 4] and outs["good"].error is None
+    assert len(outs["plain"].outputs[0].token_ids) == 4
