@@ -42,7 +42,11 @@ def load_tokenizer(source: ModelSource) -> Any | None:
         if not any((source.path / f).exists() for f in _HF_TOKENIZER_FILES):
             logger.warning("no tokenizer files in %s: only token-id prompts work and outputs have no text", source.path)
             return None
-        return AutoTokenizer.from_pretrained(str(source.path))
+        try:
+            return AutoTokenizer.from_pretrained(str(source.path))
+        except Exception as e:  # damaged tokenizer files fail in many ways (JSON, protobuf, ...)
+            present = ", ".join(f for f in _HF_TOKENIZER_FILES if (source.path / f).exists())
+            raise ValueError(f"could not load the tokenizer in {source.path} ({present}): {type(e).__name__}: {e}") from e
 
     cached = cache_dir() / "tokenizers" / f"{source.path.stem}-{_file_key(source.path)}"
     if (cached / "tokenizer.json").exists():

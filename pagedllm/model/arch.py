@@ -170,8 +170,15 @@ class ModelArch:
         gemma = model_type in ("gemma2", "gemma3")
         if gemma and cfg.get("use_bidirectional_attention"):
             raise ValueError(f"{model_type} with use_bidirectional_attention is not supported (causal only)")
+        hidden_act = _activation(model_type, cfg)
+        if cfg.get("attention_bias") and model_type != "qwen2":  # (Qwen2's biases are on q/k/v only, always)
+            raise ValueError(f"attention_bias is not supported for {model_type} (biases on the q/k/v/o projections)")
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"mlp_bias is not supported for {model_type} (biases on the MLP projections)")
+        # Gemma 3 configs may still carry attn_logit_softcapping, but transformers' Gemma 3
+        # attention never applies it (llama.cpp's converter asserts it is unset): nor do we.
         softcap = {
-            k: float(cfg[k]) if gemma and cfg.get(k) is not None else None
+            k: float(cfg[k]) if gemma and cfg.get(k) is not None and (model_type, k) != ("gemma3", "attn_logit_softcapping") else None
             for k in ("attn_logit_softcapping", "final_logit_softcapping")
         }
         if model_type == "gemma3" and softcap["final_logit_softcapping"] is not None:
@@ -189,12 +196,12 @@ class ModelArch:
             rope_theta=rope_theta,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2",
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe"),
-            hidden_act="gelu_tanh" if gemma else "silu",
+            hidden_act=hidden_act,
             sliding_window=int(window) if window else None,
             layer_types=list(layer_types) if layer_types is not None else None,
             rope_local_theta=rope_local_theta,
@@ -202,3 +209,19 @@ class ModelArch:
             **softcap,
             **moe,
         )
+
+
+# The gated MLP's activation by the names transformers' configs use (ACT2FN): ours are SiLU
+# (SwiGLU) and GELU's tanh form (GeGLU; "gelu_new" is the same formula). Anything else, e.g.
+# exact "gelu" or "relu", would run the wrong function: refused.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+def _activation(model_type: str, cfg: dict[str, Any]) -> str:
+    gemma = model_type in ("gemma2", "gemma3")
+    # Gemma's configs name it hidden_activation (hidden_act is a legacy field they ignore).
+    name = (cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else (cfg.get("hidden_act") or "silu")
+    if name not in _ACTIVATIONS:
+        field = "hidden_activation" if gemma else "hidden_act"
+        raise ValueError(f"{field} {name!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))})")
+    return _ACTIVATIONS[name]

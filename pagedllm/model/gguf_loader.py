@@ -76,7 +76,7 @@ _PERMUTED_QK = ("llama", "mistral")
 # transformers' Gemma3TextConfig defaults, which GGUF files do not carry.
 _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
-_GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
+_GEMMA3_27B_LAYERS = 62
 # llama.cpp's Gemma 2 defaults for keys a file may lack: window, caps, every 2nd layer global.
 _GEMMA2_SLIDING_WINDOW = 4096
 _GEMMA2_ATTN_SOFTCAP = 50.0
@@ -160,25 +160,25 @@ def _layer_types(meta: GGUFMeta, num_layers: int, every: int) -> list[str]:
     return [SLIDING if n == 0 or i % n < n - 1 else FULL for i in range(num_layers)]
 
 
-def _refuse_rope_scaling(meta: GGUFMeta) -> None:
-    """These families run plain RoPE: refuse files that ask for more (linear / yarn scaling,
-    Phi-3's LongRoPE factor tables) instead of running them with the wrong positions."""
+def _check_rope(meta: GGUFMeta, head_dim: int) -> None:
+    """Every family here runs RoPE over the whole head, unscaled (Llama 3's frequency table comes
+    as the rope_freqs tensor): refuse files that ask for more (linear / yarn scaling, e.g. Gemma 3
+    4B-27B's linear factor 8; Phi-3's LongRoPE factor tables; Phi-4-mini's partial rotary)
+    instead of running them with the wrong positions."""
     kind = meta("rope.scaling.type", "none")
     if kind != "none":
         raise meta.unsupported(f"rope scaling type {kind!r} (supported: none)")
     factors = sorted(n for n in meta.tensors if n.startswith("rope_factors_"))
     if factors:
         raise meta.unsupported(f"LongRoPE scaling ({', '.join(factors)})")
+    rotary = int(meta("rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise meta.unsupported(f"partial rotary embedding ({rotary} of {head_dim} head dims)")
 
 
 def _phi3_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
-    """Rotary over the whole head only (Phi-4-mini's partial rotary is refused). A sliding
-    window (Phi-3-mini's 2047; 0 when the model has none) covers every layer, as transformers
-    runs the checkpoint; llama.cpp currently ignores it."""
-    _refuse_rope_scaling(meta)
-    rotary = int(meta("rope.dimension_count", base["head_dim"]))
-    if rotary != base["head_dim"]:
-        raise meta.unsupported(f"partial rotary embedding ({rotary} of {base['head_dim']} head dims)")
+    """A sliding window (Phi-3-mini's 2047; 0 when the model has none) covers every layer, as
+    transformers runs the checkpoint; llama.cpp currently ignores it."""
     window = int(meta("attention.sliding_window", 0))
     return dict(sliding_window=window or None, layer_types=[SLIDING] * base["num_layers"] if window else None)
 
@@ -186,7 +186,6 @@ def _phi3_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
 def _gemma2_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
     """GeGLU, alternating sliding / global layers, soft-caps, and the query scale llama.cpp
     uses (the file carries no query_pre_attn_scalar)."""
-    _refuse_rope_scaling(meta)
     num_layers = base["num_layers"]
     big = num_layers == _GEMMA2_27B_LAYERS
     return dict(
@@ -200,12 +199,15 @@ def _gemma2_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gemma3_fields(meta: GGUFMeta, base: dict[str, Any]) -> dict[str, Any]:
+    """The query scale is llama.cpp's too: head_dim ** -0.5 (the query_pre_attn_scalar of 270M
+    to 12B, all 256), but (hidden / heads) ** -0.5 for 27B (168), told by its layer count."""
+    big = base["num_layers"] == _GEMMA3_27B_LAYERS
     return dict(
         hidden_act="gelu_tanh",
         sliding_window=int(meta("attention.sliding_window")),
         layer_types=_layer_types(meta, base["num_layers"], _GEMMA3_SLIDING_PATTERN),
         rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
-        query_pre_attn_scalar=_GEMMA3_QUERY_PRE_ATTN_SCALAR,
+        query_pre_attn_scalar=base["hidden_size"] // base["num_heads"] if big else base["head_dim"],
     )
 
 
@@ -250,6 +252,7 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
         eos_token_ids=[] if eos is None else [int(eos)],
         qk_norm="blk.0.attn_q_norm.weight" in names,
     )
+    _check_rope(meta, base["head_dim"])
     fields = _ARCH_FIELDS.get(family)
     return ModelArch(**base, **(fields(meta, base) if fields else {}))
 

@@ -204,6 +204,15 @@ def test_gguf_metadata_defaults_follow_llama_cpp(tmp_path):
     assert g27.query_pre_attn_scalar == 64 // 4
     assert g27.layer_types[:6] == [SLIDING, SLIDING, FULL] * 2
 
+    def gemma3(w: Any) -> None:
+        w.add_key_length(32)
+        w.add_sliding_window(8)
+
+    # Gemma 3: head_dim, except 27B (62 layers; its query_pre_attn_scalar 168 is 5376 / 32).
+    g3 = _arch_of(write_meta_only(tmp_path / "g3.gguf", "gemma3", gemma3))
+    g3_27 = _arch_of(write_meta_only(tmp_path / "g3_27.gguf", "gemma3", gemma3, num_layers=62))
+    assert (g3.query_pre_attn_scalar, g3_27.query_pre_attn_scalar) == (32, 64 // 4)
+
     phi = _arch_of(write_meta_only(tmp_path / "phi.gguf", "phi3", lambda w: w.add_sliding_window(0)))
     assert phi.sliding_window is None and phi.layer_types is None and phi.head_dim == 16
 
@@ -215,6 +224,13 @@ def _yarn(w: Any) -> None:
     w.add_rope_scaling_factor(4.0)
 
 
+def _linear8(w: Any) -> None:  # what llama.cpp writes for Gemma 3 4B-27B
+    import gguf
+
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(8.0)
+
+
 @pytest.mark.parametrize(
     ("arch", "fields", "tensors", "message"),
     [
@@ -222,8 +238,14 @@ def _yarn(w: Any) -> None:
         ("phi3", lambda w: None, ("rope_factors_long.weight", "rope_factors_short.weight"), "LongRoPE scaling"),
         ("phi3", _yarn, (), "rope scaling type 'yarn'"),
         ("gemma2", _yarn, (), "rope scaling type 'yarn'"),
+        # Found by an adversarial session: these families ran such files with plain RoPE.
+        ("llama", _linear8, (), "rope scaling type 'linear'"),
+        ("qwen2", _yarn, (), "rope scaling type 'yarn'"),
+        ("gemma3", lambda w: (_linear8(w), w.add_sliding_window(8)), (), "rope scaling type 'linear'"),
+        ("llama", lambda w: w.add_rope_dimension_count(8), (), r"partial rotary embedding \(8 of 16"),
     ],
-    ids=["phi3-partial-rotary", "phi3-longrope", "phi3-yarn", "gemma2-yarn"],
+    ids=["phi3-partial-rotary", "phi3-longrope", "phi3-yarn", "gemma2-yarn", "llama-linear", "qwen2-yarn", "gemma3-linear",
+         "llama-partial-rotary"],
 )
 def test_gguf_with_unsupported_rope_is_a_clear_error(tmp_path, arch, fields, tensors, message):
     path = write_meta_only(tmp_path / f"{arch}.gguf", arch, fields, tensors)

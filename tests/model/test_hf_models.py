@@ -33,9 +33,10 @@ VARIANTS = {
     "qwen3": ("qwen3", {"head_dim": 16}),
     # Fused qkv_proj / gate_up_proj in the checkpoint, and (as Phi-3-mini-4k) a sliding window.
     "phi3": ("phi3", {"sliding_window": 40, "pad_token_id": 0}),
-    # 6 layers: 5 sliding (window 24) and 1 global, two RoPE bases, Gemma's norms and scale.
+    # 6 layers: 5 sliding (window 24) and 1 global, two RoPE bases, Gemma's norms and scale; an
+    # attention soft-cap in the config, which Gemma 3 never applies (transformers ignores it).
     "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 24,
-                               "tie_word_embeddings": True, "max_position_embeddings": 512}),
+                               "tie_word_embeddings": True, "max_position_embeddings": 512, "attn_logit_softcapping": 3.0}),
     # 4 layers alternating sliding (window 24) and global, soft-capped attention scores and logits.
     "gemma2": ("gemma2", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 24, "query_pre_attn_scalar": 24,
                           "attn_logit_softcapping": 4.0, "final_logit_softcapping": 8.0, "tie_word_embeddings": True}),
@@ -124,6 +125,36 @@ def test_gemma_configs_without_layer_types_and_soft_caps():
         ModelArch.from_hf_config({**base, "model_type": "gemma2", "use_bidirectional_attention": True})
 
 
+def test_config_fields_pagedllm_cannot_honour_are_refused():
+    """Found by an adversarial session: hidden_act was never read (a gelu Llama ran SiLU), and
+    Llama's attention_bias put biases on o_proj that the loader then called unexpected."""
+    from pagedllm.model.arch import ModelArch
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2)
+    for model_type, field, value in [("llama", "hidden_act", "gelu"), ("qwen2", "hidden_act", "relu"),
+                                     ("gemma2", "hidden_activation", "gelu"), ("llama", "attention_bias", True),
+                                     ("qwen3", "mlp_bias", True)]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"{field} .*not supported"):
+            ModelArch.from_hf_config({**base, "model_type": model_type, field: value})
+    assert ModelArch.from_hf_config({**base, "model_type": "llama", "hidden_act": "silu"}).hidden_act == "silu"
+    gemma = ModelArch.from_hf_config({**base, "model_type": "gemma2", "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"})
+    assert gemma.hidden_act == "gelu_tanh"  # (Gemma reads hidden_activation; its hidden_act is legacy)
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", None), ("rms_norm_eps", None), ("num_attention_heads", "four"),
+                                         ("rope_scaling", "llama3"), (None, [1, 2])])  # fmt: skip
+def test_a_config_field_of_the_wrong_type_names_the_file(tmp_path, field, value):
+    path = save_tiny_model(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    if field is None:
+        cfg = value
+    else:
+        cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     path = save_tiny_model(tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
@@ -160,4 +191,11 @@ def test_missing_weight_is_a_clear_error(tmp_path):
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="missing"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_a_damaged_tokenizer_file_names_the_directory(tmp_path):
+    path = save_tiny_model(tmp_path / "m")
+    (path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=r"could not load the tokenizer in .*\(tokenizer.json\)"):
         LLM(str(path), dtype="float32", num_kv_blocks=8)
