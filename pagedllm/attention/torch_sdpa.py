@@ -45,6 +45,11 @@ class TorchSDPAAttention(AttentionBackend):
             mask = pos < meta.seq_lens[:nd, None]
             if window is not None:  # the query sits at seq_len - 1
                 mask &= pos >= meta.seq_lens[:nd, None] - window
+            # Slots past a sequence (the padding to max_len, placeholder blocks, stale K/V of
+            # freed blocks) are masked, but a masked score is still q.k: a NaN or inf left there
+            # by another request would poison the softmax (NaN - inf is NaN). Zero them.
+            hidden = ~mask[:, None, :, None]
+            kd, vd = kd.masked_fill(hidden, 0), vd.masked_fill(hidden, 0)
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim).to(kd.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale)
             out[:nd] = od.reshape(nd, num_heads, head_dim).to(q.dtype)
@@ -67,6 +72,8 @@ class TorchSDPAAttention(AttentionBackend):
                 mask = k_pos <= q_pos
                 if window is not None:
                     mask &= k_pos > q_pos - window
+                    unseen = ~mask.any(0)[None, :, None]  # before every query's window: maybe freed blocks
+                    ki, vi = ki.masked_fill(unseen, 0), vi.masked_fill(unseen, 0)
                 oi = F.scaled_dot_product_attention(
                     qi[None], ki[None], vi[None], attn_mask=mask, scale=scale, enable_gqa=group > 1
                 )

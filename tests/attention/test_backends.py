@@ -236,3 +236,32 @@ def test_auto_picks_native_on_cpu_and_refuses_it_elsewhere():
             get_attention_backend("cpu_native", torch.float32)
     with pytest.raises(ValueError, match="cpu_native"):
         get_attention_backend("cpu_native", torch.float16)
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "cpu_native", "reference"])
+def test_non_finite_kv_left_by_one_request_never_reaches_another(tmp_path, backend):
+    """A request whose K/V hold NaN (here: a NaN embedding row it uses) leaves them in its
+    blocks when it ends. Decode attention gathers padded contexts and masks the padding, but
+    a masked score is still q.k, so torch_sdpa gave the next requests NaN logprobs (found by an
+    adversarial session). Every backend must give a clean request the same output after it."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm import LLM, SamplingParams
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m", "llama", seed=5)
+    state = load_file(str(path / "model.safetensors"))
+    state["model.embed_tokens.weight"][7] = float("nan")
+    save_file(state, str(path / "model.safetensors"))
+    llm = LLM(str(path), attention_backend=backend, num_kv_blocks=64, enable_prefix_caching=False, log_stats_interval=1e9)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    clean, poison = {"prompt_token_ids": [11, 12, 13, 14, 15]}, {"prompt_token_ids": [20, 7, 21, 22] * 10}
+    before = llm.generate([clean], params, use_tqdm=False)[0].outputs[0]
+    llm.generate([poison], params, use_tqdm=False)
+    after = llm.generate([clean], params, use_tqdm=False)[0].outputs[0]  # in the blocks the poison left
+    beside = llm.generate([clean, poison, clean], params, use_tqdm=False)
+    for out in (beside[0].outputs[0], beside[2].outputs[0], after):
+        assert out.token_ids == before.token_ids
+        assert all(math.isfinite(lp[t].logprob) for t, lp in zip(out.token_ids, out.logprobs))
