@@ -20,7 +20,7 @@ import torch
 from pagedllm.quantization.weights import QuantizedWeight
 
 QUANTIZATION_TYPES = {"int8": "Q8_0", "int4": "Q4_1"}
-_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.weight")
+_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(experts\.\d+\.)?(gate|up|down|gate_up)_proj)\.weight")
 
 
 def quantize_weight(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
@@ -28,8 +28,20 @@ def quantize_weight(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     from gguf.quants import quantize
 
     w = weight.detach().to(torch.float32).contiguous().numpy()
-    blocks = quantize(w, GGMLQuantizationType[qtype])
+    with np.errstate(over="ignore"):  # (an overflow is found below, and named)
+        blocks = quantize(w, GGMLQuantizationType[qtype])
+    # Each block starts with its fp16 scale (Q4_1: then its fp16 minimum): weights beyond
+    # fp16's range (65,504) overflow them to inf, and the model would emit NaN.
+    block_bytes, halves = _HEADER_HALVES[qtype]
+    header = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, block_bytes)[:, : 2 * halves]
+    if not np.isfinite(header.copy().view(np.float16)).all():
+        raise ValueError(f"weights up to {float(np.abs(w).max()):.3g} do not fit {qtype}'s fp16 scales "
+                         f"(at most 65504): this checkpoint cannot be quantized to it")  # fmt: skip
     return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks)), w.shape[1])
+
+
+# Bytes per block, and the fp16 values that lead it (scale; scale and minimum).
+_HEADER_HALVES = {"Q8_0": (34, 1), "Q4_1": (20, 2)}
 
 
 def quantize_state(state: dict[str, Any], method: str) -> int:
@@ -42,6 +54,9 @@ def quantize_state(state: dict[str, Any], method: str) -> int:
         if isinstance(w, torch.Tensor) and w.dim() == 2 and _LINEAR.fullmatch(name):
             if w.shape[1] % 32:
                 raise ValueError(f"{name} has {w.shape[1]} inputs, not a multiple of 32: cannot quantize to {method}")
-            state[name] = quantize_weight(w, qtype)
+            try:
+                state[name] = quantize_weight(w, qtype)
+            except ValueError as e:
+                raise ValueError(f"quantization={method!r}: {name}: {e}") from None
             count += 1
     return count
