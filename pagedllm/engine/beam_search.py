@@ -321,19 +321,23 @@ class BeamSearch:
             self._release(old)
             self._finish(group)
             return
-        group.beams = []
         children: list[tuple[_Beam, Request]] = []
-        for score, bi, tok in nxt:  # fork the new beams first, then free the old holders
-            parent = old[bi]
-            beam = _Beam(parent.tokens + [tok], score)
-            ids = group.prompt_token_ids + beam.tokens
-            if self.share_by_fork:
-                req = self._request(group, beam, ids, len(ids) - 1)
-                self.kv.fork(parent.holder, req.request_id)
-            else:
-                req = self._request(group, beam, ids, 0)
-            group.beams.append(beam)
-            children.append((beam, req))
+        try:
+            for score, bi, tok in nxt:  # fork the new beams first, then free the old holders
+                parent = old[bi]
+                beam = _Beam(parent.tokens + [tok], score)
+                ids = group.prompt_token_ids + beam.tokens
+                if self.share_by_fork:
+                    req = self._request(group, beam, ids, len(ids) - 1)
+                    self.kv.fork(parent.holder, req.request_id)
+                else:
+                    req = self._request(group, beam, ids, 0)
+                children.append((beam, req))
+        except BaseException:  # the old beams still hold their blocks (abort frees them): free the forks
+            for _, req in children:
+                self.kv.free(req.request_id)
+            raise
+        group.beams = [beam for beam, _ in children]
         self._release(old)
         for beam, req in children:
             self._submit(group, beam, req)

@@ -301,9 +301,23 @@ def test_a_fault_inside_one_search_ends_that_search_only(tiny_llama, monkeypatch
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=100, block_size=4), log_stats_interval=0)
     advance = BeamSearch._advance
 
+    fork = engine.kv_cache_manager.fork
+
     def failing(self, group):
-        if group.group_id == "bad":
-            raise RuntimeError("injected")
+        if group.group_id == "bad" and len(group.beams[0].tokens) == 2:  # mid-way: one child forked
+            forks = []
+
+            def fork_once(parent, child):
+                if forks:
+                    raise RuntimeError("injected")
+                forks.append(child)
+                fork(parent, child)
+
+            self.kv.fork = fork_once
+            try:
+                return advance(self, group)
+            finally:
+                self.kv.fork = fork
         return advance(self, group)
 
     monkeypatch.setattr(BeamSearch, "_advance", failing)
