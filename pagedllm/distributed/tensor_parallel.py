@@ -127,7 +127,8 @@ def install(model: nn.Module, ctx: ParallelContext, vocab_start: int, vocab_size
         for linear in row_parallel:
             linear.__class__ = RowParallelLinear
             linear.tp_ctx = ctx
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, vocab_start, ctx)
+    if ctx.info.is_first_stage:  # (later pipeline stages hold no embedding: pipeline.release_unused)
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, vocab_start, ctx)
     per_rank = -(-vocab_size // tp)
     local_logits = model.compute_logits
     model.compute_logits = partial(_gathered_logits, local_logits=local_logits, ctx=ctx, vocab_size=vocab_size,

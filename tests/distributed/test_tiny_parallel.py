@@ -243,3 +243,16 @@ def test_a_fault_on_one_rank_ends_the_engine_without_hanging(uneven_gqa, monkeyp
         assert time.monotonic() - start < 30
     finally:
         llm.llm_engine.close()
+
+
+def test_tensor_and_pipeline_parallel_together(uneven_gqa):
+    """TP=2 x PP=2 (4 ranks): stage 1's ranks hold no embedding, which the tensor-parallel
+    install used to wrap anyway, so no rank of stage 1 ever started (found by an adversarial
+    session). Greedy tokens equal the one-process engine's."""
+    prompts = _prompts()
+    ref = _greedy(LLM(str(uneven_gqa), **ENGINE), prompts)
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
+    try:
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
