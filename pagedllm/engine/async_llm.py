@@ -289,6 +289,7 @@ class AsyncLLM(RequestStreams):
             if not engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
+                engine.executor.check_alive()  # idle: a dead worker is found now, not by the next request
                 continue
             self._deliver(engine.step())
             if not engine.has_unfinished_requests():  # idle again: the steps' freed buffers go back

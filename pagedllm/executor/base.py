@@ -56,5 +56,9 @@ class Executor(ABC):
         the other ranks to arrive at the collective."""
         return 0, 0.0
 
+    def check_alive(self) -> None:
+        """Raise WorkerDeadError if a worker is gone (the engine asks while idle, so a death
+        is known within a second, not at the next request)."""
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""

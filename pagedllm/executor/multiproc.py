@@ -139,6 +139,10 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self.procs]
 
     # ------------------------------------------------------------------ liveness
+    def check_alive(self) -> None:
+        if self._dead is None:
+            self._check_local()
+
     def _check_local(self) -> None:
         for p in self.procs:
             if not p.is_alive():

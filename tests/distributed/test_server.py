@@ -102,12 +102,21 @@ def _worker_pids(parent: int) -> list[int]:
     return pids
 
 
-def test_killed_worker_ends_the_server_cleanly(tiny_llama_tok):
+@pytest.mark.parametrize("when", ["streaming", "idle"])
+def test_killed_worker_ends_the_server_cleanly(tiny_llama_tok, when):
+    """Mid-stream, or with nothing running: an idle server used to notice the death only when
+    the next request came (found by an adversarial session); it now exits within seconds."""
     model = str(tiny_llama_tok)
     srv = ServerProcess(["--model", model, "--tensor-parallel-size", "2", *ENGINE_ARGS])
     try:
         workers = _worker_pids(srv.proc.pid)
         assert len(workers) == 2
+        if when == "idle":
+            os.kill(workers[1], signal.SIGKILL)
+            assert srv.proc.wait(timeout=15) == 1  # no request needed
+            time.sleep(1)
+            assert not any(os.path.exists(f"/proc/{pid}") and _is_running(pid) for pid in workers)
+            return
         with httpx.stream("POST", f"{srv.url}/v1/completions", json={"model": model, "prompt": "Pending",
                           "max_tokens": 400, "ignore_eos": True, "stream": True}, timeout=60) as stream:  # fmt: skip
             events = []
