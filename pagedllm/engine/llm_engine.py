@@ -82,6 +82,9 @@ class LLMEngine:
             from pagedllm.executor.multiproc import MultiprocExecutor
 
             check_supported(info.arch, config.tensor_parallel_size, config.pipeline_parallel_size)
+            if config.node_rank != 0:  # (the engine waits for every rank: it would wait for itself)
+                raise ValueError(f"node_rank {config.node_rank}: only node 0 runs the engine; the other nodes run "
+                                 f"workers only (pagedllm serve --headless)")  # fmt: skip
             with times.phase("workers"):
                 self.executor: Executor = MultiprocExecutor(config, sizes.num_blocks, sizes.num_swap_blocks, self.max_model_len,
                                                             load_model)  # fmt: skip

@@ -36,6 +36,13 @@ def _greedy(llm: LLM, prompts, max_tokens: int = 8) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
+def test_an_engine_on_a_worker_node_is_refused_not_left_waiting(uneven_gqa):
+    """LLM(nnodes=2, node_rank=1) waited 900 s for ranks that never come (found by an
+    adversarial session); only the CLI refused it."""
+    with pytest.raises(ValueError, match="node_rank 1: only node 0 runs the engine"):
+        LLM(str(uneven_gqa), tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=29999, **ENGINE)
+
+
 def test_config_refuses_what_does_not_shard(uneven_gqa):
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(str(uneven_gqa), tensor_parallel_size=0)
