@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
-from pagedllm.outputs import CompletionOutput, RequestOutput, RowLogprobs
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, RowLogprobs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedllm.scheduler.scheduler import Scheduler
@@ -136,6 +136,11 @@ class _Group:
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
     done: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None  # when the first beams were chosen
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, time.monotonic())
 
 
 class BeamSearch:
@@ -269,6 +274,8 @@ class BeamSearch:
             if gid is None or not rows or rows[-1] is None:
                 continue
             group = self.groups[gid]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = req.first_scheduled_time
             beam = group.requests.pop(req.request_id)
             del self._by_request[req.request_id]
             beam.row = rows[-1]
@@ -287,6 +294,8 @@ class BeamSearch:
                     self.abort(gid, error=f"{type(e).__name__}: {e}")
 
     def _advance(self, group: _Group) -> None:
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
         p, w = group.params, group.params.beam_width
         k = self.num_candidates(p, group.eos)
         cands = []  # (accumulated logprob, beam index, token)
@@ -364,7 +373,8 @@ class BeamSearch:
                                    stop_reason=tokens[-1] if stopped else None)  # fmt: skip
             out.score = score  # type: ignore[attr-defined]  # the length-penalized ranking value
             outputs.append(out)
-        self._ready.append(RequestOutput(group.group_id, group.prompt, group.prompt_token_ids, outputs, finished=True))
+        self._ready.append(RequestOutput(group.group_id, group.prompt, group.prompt_token_ids, outputs, finished=True,
+                                         metrics=group.metrics()))  # fmt: skip
 
     def abort(self, group_id: str, error: str | None = None) -> RequestOutput | None:
         """End a search now (its requests and holders freed); returns its final output
@@ -381,7 +391,7 @@ class BeamSearch:
         self._start_waiting()
         out = RequestOutput(group_id, group.prompt, group.prompt_token_ids,
                             [CompletionOutput(0, "", [], finish_reason="abort" if error is None else "error")],
-                            finished=True, error=error)  # fmt: skip
+                            finished=True, metrics=group.metrics(), error=error)  # fmt: skip
         self._ready.append(out)
         return out
 

@@ -416,15 +416,16 @@ class LLMEngine:
         """Everything after the model step: the scheduler, stop checks, outputs and stats."""
         # The scheduled requests, looked up before update_from_output retires finished ones.
         scheduled = [self.scheduler.requests[s.req_id] for s in sched_out.scheduled]
-        # Prompt tokens run for the first time, once per parent request (as its usage counts
-        # them): recomputation after a preemption and the samples n > 1 adds are excluded.
+        # Prompt tokens reached for the first time, once per parent request (as its usage
+        # counts them, and vLLM's prompt_tokens_total): prefix-cache hits included; recomputation
+        # after a preemption and the samples n > 1 adds excluded.
         prompt_tokens = 0
         for s, req in zip(sched_out.scheduled, scheduled):
             if req.index != 0:
                 continue
             end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens)
             if end > req.num_prompt_tokens_run:
-                prompt_tokens += end - max(s.num_computed_tokens, req.num_prompt_tokens_run)
+                prompt_tokens += end - req.num_prompt_tokens_run
                 req.num_prompt_tokens_run = end
         spec = spec_stats(sched_out, result.sampled)  # what verification accepted, before stops trim it
         finished = self.scheduler.update_from_output(sched_out, result.sampled, result.spec_token_ids)

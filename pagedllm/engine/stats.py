@@ -48,7 +48,7 @@ def spec_stats(out: SchedulerOutput, sampled: list[list[int]]) -> SpecDecodeStat
 
 @dataclass
 class StepStats:
-    num_prompt_tokens: int  # prompt tokens run for the first time this step
+    num_prompt_tokens: int  # prompt tokens reached for the first time this step (cache hits included)
     num_generation_tokens: int  # tokens sampled this step
     num_running: int
     num_waiting: int
@@ -73,6 +73,7 @@ class StatsLogger:
         self._reset(time.monotonic())
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.scheduled_tokens_total = 0  # tokens the model ran (prompt chunks not cached or loaded, decodes, drafts)
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
@@ -92,6 +93,7 @@ class StatsLogger:
         self._generation_tokens += stats.num_generation_tokens
         self.prompt_tokens_total += stats.num_prompt_tokens
         self.generation_tokens_total += stats.num_generation_tokens
+        self.scheduled_tokens_total += stats.num_scheduled_tokens
         self.num_preemptions_total += stats.num_preemptions
         self._prefix_queries += stats.num_prefix_queries
         self._prefix_hits += stats.num_prefix_hits

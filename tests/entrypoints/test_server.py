@@ -219,11 +219,24 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
         chat = c.chat.completions.create(model=str(tiny_llama_tok), messages=[{"role": "user", "content": "hey"}], max_tokens=4)
         prompt_sum += chat.usage.prompt_tokens
         completion_sum += chat.usage.completion_tokens
+        # Found by an adversarial session: a prompt served from the prefix cache counted only its
+        # computed tokens, and best_of / beam search outputs (whole at the end) gave no latencies.
+        long = "The same long prompt, sent twice so that the second finds it cached. " * 4
+        extra = [dict(prompt=long, max_tokens=3), dict(prompt=long, max_tokens=3), dict(prompt="Best of", max_tokens=6, best_of=3),
+                 dict(prompt="Beams", max_tokens=5, n=2, temperature=0, extra_body={"use_beam_search": True})]  # fmt: skip
+        for i, kw in enumerate(extra):
+            out = c.completions.create(model=str(tiny_llama_tok), **kw)
+            prompt_sum += out.usage.prompt_tokens
+            completion_sum += out.usage.completion_tokens
+            if i == 1:  # (best_of and beams generate more tokens than they return: the counter has them all)
+                assert srv.metric("pagedllm:generation_tokens_total") == completion_sum
         assert srv.metric("pagedllm:prompt_tokens_total") == prompt_sum
-        assert srv.metric("pagedllm:generation_tokens_total") == completion_sum
-        assert srv.metric("pagedllm:request_success_total") == 6
-        assert srv.metric("pagedllm:time_to_first_token_seconds_count") == 6  # one per request, n=2 included
-        assert srv.metric("pagedllm:e2e_request_latency_seconds_count") == 6
+        assert srv.metric("pagedllm:generation_tokens_total") > completion_sum
+        assert srv.metric("pagedllm:request_success_total") == 10
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+            assert srv.metric(f"pagedllm:{name}_count") == 10, name  # one per request, n=2, best_of, beams included
+        # Each request's first token is its time to first token; each other token, one inter-token latency.
+        assert srv.metric("pagedllm:inter_token_latency_seconds_count") == completion_sum - 10
     finally:
         assert srv.stop() == 0
 

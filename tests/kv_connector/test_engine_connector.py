@@ -64,9 +64,12 @@ def test_a_restarted_engine_loads_the_blocks(tiny_llama, filled_store, cold, tmp
     # Every whole prompt block but one holding the last prompt token: 3 + 6 + 2.
     assert t.num_queried_blocks == t.num_hit_blocks == t.num_loaded_blocks == 11
     assert t.num_rejected_blocks == 0 and t.num_loaded_bytes > 0
-    # The loaded blocks counted as computed: only the tails ran (the prefix-cache stats are local).
+    # The loaded blocks counted as computed: only the prompts' tails ran, then 11 decode steps
+    # each (the prefix-cache stats are local); the prompt-token counter has every prompt token.
     stats = llm.llm_engine.stats
-    assert stats.prompt_tokens_total == sum(len(p["prompt_token_ids"]) for p in PROMPTS) - 11 * BS
+    prompt_tokens = sum(len(p["prompt_token_ids"]) for p in PROMPTS)
+    assert stats.scheduled_tokens_total == prompt_tokens - 11 * BS + len(PROMPTS) * (GREEDY.max_tokens - 1)
+    assert stats.prompt_tokens_total == prompt_tokens
 
 
 def test_chunked_prefill_after_a_load(tiny_llama, filled_store, cold, tmp_path):

@@ -77,7 +77,8 @@ class ServerMetrics:
                 g = Gauge(f"pagedllm:{name}", doc, ["model_name", "engine"], registry=r)
                 for i in range(async_llm.data_parallel_size):
                     g.labels(engine=str(i), **labels).set_function(lambda i=i, k=k: async_llm.replica_loads()[i][k])
-        self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r).labels(**labels)
+        self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed (prefix-cache hits included, as usage counts them).",
+                                     ["model_name"], registry=r).labels(**labels)  # fmt: skip
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r).labels(**labels)
         self.prefix_queries = Counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model_name"], registry=r).labels(**labels)
         self.prefix_hits = Counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model_name"], registry=r).labels(**labels)
@@ -175,7 +176,14 @@ class ServerMetrics:
         if new_tokens and m is not None:
             last = self._last_token_time.get(out.request_id)
             if last is None:
-                self.ttft.observe(now - m.arrival_time)
+                # The engine's own first-token time: an output that comes only at the end (best_of,
+                # beam search) holds every token, and its first came long before the hook.
+                first = m.first_token_time if m.first_token_time is not None else now
+                self.ttft.observe(first - m.arrival_time)
+                if new_tokens > 1:  # the rest of those tokens, evenly over the time since the first
+                    gap = (now - first) / (new_tokens - 1)
+                    for _ in range(new_tokens - 1):
+                        self.itl.observe(gap)
             else:
                 gap = (now - last) / new_tokens
                 for _ in range(new_tokens):
