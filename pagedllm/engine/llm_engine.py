@@ -211,12 +211,15 @@ class LLMEngine:
             self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,
                            req.priority, num_return=params.n)  # fmt: skip
             return request_id
+        if self._id_in_use(request_id):  # (before best_of.add: a refused id must change nothing)
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        n = expand_best_of(params).n if wants_best_of(params) else params.n
+        ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        if any(self._id_in_use(i) for i in ids):
+            raise ValueError(f"request_id {request_id!r} is already in use (by {next(i for i in ids if self._id_in_use(i))!r})")
         if wants_best_of(params):  # engine/best_of.py: best_of samples, the n best returned at the end
             self.best_of.add(request_id, params)
             params, output_kind = expand_best_of(params), RequestOutputKind.FINAL_ONLY
-        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        if self._id_in_use(request_id) or any(i in self.scheduler.requests for i in ids):
-            raise ValueError(f"request_id {request_id!r} is already in use")
         samples = [
             Request(
                 request_id=ids[i],
@@ -256,9 +259,12 @@ class LLMEngine:
         return request_id
     def _id_in_use(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request of any kind: a caller's (and its samples'
-        parent), a beam search, or a step request of one."""
+        parent), a sample ("{i}_{parent}", queued or still held back), a beam search, or a step
+        request of one."""
+        index, sep, parent = request_id.partition("_")
         return (request_id in self.output_processor.parents or request_id in self._samples_of
-                or request_id in self.beams.groups or request_id in self.scheduler.requests)  # fmt: skip
+                or request_id in self.beams.groups or request_id in self.scheduler.requests
+                or bool(sep and index.isdigit() and request_id in self._samples_of.get(parent, ())))  # fmt: skip
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_request: LoRARequest) -> None:

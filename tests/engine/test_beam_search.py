@@ -329,3 +329,20 @@ def test_a_fault_inside_one_search_ends_that_search_only(tiny_llama, monkeypatch
     assert outs["bad"].outputs[0].finish_reason == "error" and "injected" in outs["bad"].error
     assert [len(c.token_ids) for c in outs["good"].outputs] == [4, 4] and outs["good"].error is None
     assert len(outs["plain"].outputs[0].token_ids) == 4
+
+
+def test_ids_of_samples_held_back_are_in_use(tiny_llama):
+    """Samples 1..n-1 wait outside the scheduler until sample 0 has cached the prompt; a
+    request under one of their ids was accepted, and releasing the sample then killed the step
+    (found by a review). A refused best_of request leaves the live one's state alone."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=100, block_size=4), log_stats_interval=0)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(n=2, **{k: getattr(params, k) for k in
+                       ("temperature", "seed", "max_tokens", "ignore_eos")}), "x")  # fmt: skip
+    assert "1_x" not in engine.scheduler.requests  # held back
+    with pytest.raises(ValueError, match="'1_x' is already in use"):
+        engine.add_request({"prompt_token_ids": [8, 9]}, params, "1_x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request({"prompt_token_ids": [8, 9]}, SamplingParams(best_of=3, max_tokens=2), "x")
+    finished = {o.request_id: o for o in _drain(engine)}
+    assert list(finished) == ["x"] and [len(c.token_ids) for c in finished["x"].outputs] == [4, 4]
