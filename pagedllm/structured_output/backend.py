@@ -66,12 +66,14 @@ def _structural_tag_args(tag: dict | str) -> tuple[Any, ...]:
     return (json.dumps(tag),)
 
 
-# JSON Schema keywords xgrammar's converter passes over without enforcing them (each checked
-# by a test: the grammar is the same with and without it). A schema using one is refused, so
-# "valid against the schema" stays true of every output that ends with finish_reason "stop".
-# (unevaluatedProperties / unevaluatedItems are passed over too, but the converter's strict
-# mode already forbids what they would: properties and items the schema does not list.)
-UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "if", "then", "else", "dependentRequired",
+# JSON Schema keywords xgrammar's converter passes over without enforcing them (a test checks,
+# for each, that the grammar accepts an output breaking it). A schema using one is refused, so
+# an output that ends with finish_reason "stop" is valid against its schema. Two gaps are left
+# on purpose, as vLLM leaves them: ``uniqueItems`` (pydantic writes it for every set field, and
+# pydantic folds duplicates when it reads one) and overlapping ``oneOf`` branches (run as anyOf;
+# pydantic's discriminated unions never overlap). unevaluatedProperties / unevaluatedItems are
+# passed over too, but strict mode already forbids what they would: unlisted properties, items.
+UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "if", "then", "else", "not", "dependentRequired",
                        "dependentSchemas", "dependencies")  # fmt: skip
 # Where a schema holds subschemas: one, a list of them, or a name -> subschema map.
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
@@ -85,8 +87,6 @@ def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
     if not isinstance(schema, dict):
         return []
     found = [f"{path}: {k}" for k in UNENFORCED_KEYWORDS if k in schema]
-    if schema.get("uniqueItems") is True:
-        found.append(f"{path}: uniqueItems")
     if schema.get("type") == []:
         found.append(f"{path}: type [] (no value can match)")
     for key in _SUBSCHEMA:
@@ -100,6 +100,31 @@ def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
             for name, sub in schema[key].items():
                 found += unenforced_keywords(sub, f"{path}/{key}/{name}")
     return found
+
+
+def _tag_schemas(tag: Any) -> list[Any]:
+    """The JSON schemas inside a structural tag, in either form (under "schema" or "json_schema")."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except json.JSONDecodeError:
+            return []  # (_structural_tag_args says what is wrong with it)
+    if isinstance(tag, list):
+        return [s for item in tag for s in _tag_schemas(item)]
+    if not isinstance(tag, dict):
+        return []
+    found = [v for k, v in tag.items() if k in ("schema", "json_schema") and isinstance(v, dict)]
+    return found + [s for k, v in tag.items() if k not in ("schema", "json_schema") for s in _tag_schemas(v)]
+
+
+def _refuse_unenforced(schemas: list[Any]) -> None:
+    try:
+        unenforced = [where for schema in schemas for where in unenforced_keywords(schema)]
+    except RecursionError:
+        raise ValueError("the schema is nested too deeply") from None
+    if unenforced:
+        raise ValueError(f"the schema uses keywords the grammar cannot enforce ({'; '.join(unenforced[:5])}); "
+                         f"outputs could break them, so the schema is refused")  # fmt: skip
 
 
 def parse(params: StructuredOutputsParams) -> None:
@@ -116,13 +141,7 @@ def parse(params: StructuredOutputsParams) -> None:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"the schema is not valid JSON ({e})") from e
             if schema:  # ("" is json_object's: any object)
-                try:
-                    unenforced = unenforced_keywords(json.loads(schema))
-                except RecursionError:
-                    raise ValueError("the schema is nested too deeply") from None
-                if unenforced:
-                    raise ValueError(f"the schema uses keywords the grammar cannot enforce ({'; '.join(unenforced[:5])}); "
-                                     f"outputs could break them, so the schema is refused")  # fmt: skip
+                _refuse_unenforced([json.loads(schema)])
             xgr.Grammar.from_json_schema(schema, **_whitespace(params))
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
@@ -131,6 +150,7 @@ def parse(params: StructuredOutputsParams) -> None:
         elif kind == "choice":
             xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
         elif kind == "structural_tag":
+            _refuse_unenforced(_tag_schemas(params.structural_tag))
             xgr.Grammar.from_structural_tag(*_structural_tag_args(params.structural_tag))
     except ValueError as e:
         raise ValueError(f"structured_outputs.{kind} is invalid: {_message(e)}") from e
