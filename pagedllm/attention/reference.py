@@ -31,17 +31,22 @@ class ReferenceAttention(AttentionBackend):
             qi = q[start : start + q_len].float()  # [q_len, H, D]
             ki = gather_context(key_cache, meta.block_tables[i], ctx_len)
             vi = gather_context(value_cache, meta.block_tables[i], ctx_len)
-            ki = ki.repeat_interleave(group, dim=1)  # [ctx, H, D]
-            vi = vi.repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
             # Query row r sits at context position ctx_len - q_len + r.
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
             k_pos = torch.arange(ctx_len, device=q.device)[None, :]
             hidden = k_pos > q_pos
             if window is not None:
                 hidden |= k_pos <= q_pos - window
+                # Positions before every query's window may sit in blocks given back to the pool
+                # (their table entries read NULL_BLOCK_ID, a block others write): masked scores
+                # of a NaN there would still poison the softmax, so they are zeroed.
+                unseen = hidden.all(0)[:, None, None]
+                ki, vi = ki.masked_fill(unseen, 0), vi.masked_fill(unseen, 0)
+            ki = ki.repeat_interleave(group, dim=1)  # [ctx, H, D]
+            vi = vi.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             scores = scores.masked_fill(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, vi).to(q.dtype)

@@ -265,3 +265,30 @@ def test_non_finite_kv_left_by_one_request_never_reaches_another(tmp_path, backe
     for out in (beside[0].outputs[0], beside[2].outputs[0], after):
         assert out.token_ids == before.token_ids
         assert all(math.isfinite(lp[t].logprob) for t, lp in zip(out.token_ids, out.logprobs))
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "cpu_native", "reference"])
+def test_non_finite_kv_in_blocks_a_sliding_window_gave_back_never_reaches_it(tmp_path, backend):
+    """A sliding window's skipped table entries read NULL_BLOCK_ID, a block of the pool that
+    other requests write: the reference backend (also every backend's soft-capped path) masked
+    what it gathered there, and a NaN in it still gave NaN (found by a review)."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm import LLM, SamplingParams
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m", "mistral", seed=5, sliding_window=4)
+    state = load_file(str(path / "model.safetensors"))
+    state["model.embed_tokens.weight"][7] = float("nan")
+    save_file(state, str(path / "model.safetensors"))
+    kw = dict(attention_backend=backend, num_kv_blocks=64, block_size=4, enable_prefix_caching=False, log_stats_interval=1e9)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    clean = {"prompt_token_ids": list(range(11, 41))}  # 30 tokens: most of its blocks leave the window
+    want = LLM(str(path), **kw).generate([clean], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(path), **kw)
+    llm.generate([{"prompt_token_ids": [7] * 40}], params, use_tqdm=False)  # NaN K/V in every block it held
+    got = llm.generate([clean], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert all(math.isfinite(lp[t].logprob) for t, lp in zip(got.token_ids, got.logprobs))
