@@ -211,23 +211,29 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
     srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS])
     try:
         c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
-        prompt_sum = completion_sum = 0
+        prompt_sum = completion_sum = gaps = 0
+        eos = {"ignore_eos": True}  # every sample runs to max_tokens: max_tokens - 1 gaps a request
         for i in range(5):
-            out = c.completions.create(model=str(tiny_llama_tok), prompt=f"Request {i}", max_tokens=3 + i, n=1 + i % 2)
+            out = c.completions.create(model=str(tiny_llama_tok), prompt=f"Request {i}", max_tokens=3 + i, n=1 + i % 2,
+                                       extra_body=eos)  # fmt: skip
             prompt_sum += out.usage.prompt_tokens
             completion_sum += out.usage.completion_tokens
-        chat = c.chat.completions.create(model=str(tiny_llama_tok), messages=[{"role": "user", "content": "hey"}], max_tokens=4)
+            gaps += 2 + i + i % 2  # (sample 1 of n=2 starts a step late, once sample 0 has cached the prompt)
+        chat = c.chat.completions.create(model=str(tiny_llama_tok), messages=[{"role": "user", "content": "hey"}], max_tokens=4,
+                                         extra_body=eos)  # fmt: skip
         prompt_sum += chat.usage.prompt_tokens
         completion_sum += chat.usage.completion_tokens
+        gaps += 3
         # Found by an adversarial session: a prompt served from the prefix cache counted only its
         # computed tokens, and best_of / beam search outputs (whole at the end) gave no latencies.
         long = "The same long prompt, sent twice so that the second finds it cached. " * 4
         extra = [dict(prompt=long, max_tokens=3), dict(prompt=long, max_tokens=3), dict(prompt="Best of", max_tokens=6, best_of=3),
-                 dict(prompt="Beams", max_tokens=5, n=2, temperature=0, extra_body={"use_beam_search": True})]  # fmt: skip
+                 dict(prompt="Beams", max_tokens=5, n=2, temperature=0, extra_body={"use_beam_search": True, **eos})]  # fmt: skip
         for i, kw in enumerate(extra):
-            out = c.completions.create(model=str(tiny_llama_tok), **kw)
+            out = c.completions.create(model=str(tiny_llama_tok), **{"extra_body": eos, **kw})
             prompt_sum += out.usage.prompt_tokens
             completion_sum += out.usage.completion_tokens
+            gaps += kw["max_tokens"] - 1
             if i == 1:  # (best_of and beams generate more tokens than they return: the counter has them all)
                 assert srv.metric("pagedllm:generation_tokens_total") == completion_sum
         assert srv.metric("pagedllm:prompt_tokens_total") == prompt_sum
@@ -235,8 +241,9 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
         assert srv.metric("pagedllm:request_success_total") == 10
         for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
             assert srv.metric(f"pagedllm:{name}_count") == 10, name  # one per request, n=2, best_of, beams included
-        # Each request's first token is its time to first token; each other token, one inter-token latency.
-        assert srv.metric("pagedllm:inter_token_latency_seconds_count") == completion_sum - 10
+        # Each request's first token is its time to first token; each later step of its sequences
+        # (n samples or beams advance together), one inter-token latency.
+        assert srv.metric("pagedllm:inter_token_latency_seconds_count") == gaps
     finally:
         assert srv.stop() == 0
 

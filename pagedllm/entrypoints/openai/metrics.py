@@ -171,7 +171,9 @@ class ServerMetrics:
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        # Tokens per sequence: the n samples (or beams) of a request advance together, so a
+        # step that gives each its token is one inter-token gap, not n.
+        new_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
         m = out.metrics
         if new_tokens and m is not None:
             last = self._last_token_time.get(out.request_id)
@@ -181,7 +183,8 @@ class ServerMetrics:
                 first = m.first_token_time if m.first_token_time is not None else now
                 self.ttft.observe(first - m.arrival_time)
                 if new_tokens > 1:  # the rest of those tokens, evenly over the time since the first
-                    gap = (now - first) / (new_tokens - 1)
+                    end = m.finished_time if out.finished and m.finished_time is not None else now
+                    gap = (end - first) / (new_tokens - 1)
                     for _ in range(new_tokens - 1):
                         self.itl.observe(gap)
             else:
