@@ -78,6 +78,9 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature != 0:
             raise ValueError(f"temperature must be 0 for beam search (deterministic), got {self.temperature!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         lp = self.length_penalty
         if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp) or abs(lp) > MAX_LENGTH_PENALTY:
             # (length ** 1e308 overflows in the middle of a search)

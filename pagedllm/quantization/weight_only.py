@@ -35,8 +35,8 @@ def quantize_weight(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     block_bytes, halves = _HEADER_HALVES[qtype]
     header = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, block_bytes)[:, : 2 * halves]
     if not np.isfinite(header.copy().view(np.float16)).all():
-        raise ValueError(f"weights up to {float(np.abs(w).max()):.3g} do not fit {qtype}'s fp16 scales "
-                         f"(at most 65504): this checkpoint cannot be quantized to it")  # fmt: skip
+        raise ValueError(f"weights up to {float(np.abs(w).max()):.3g} overflow {qtype}'s fp16 block scales "
+                         f"(65504 at most): this checkpoint cannot be quantized to it")  # fmt: skip
     return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks)), w.shape[1])
 
 

@@ -60,7 +60,8 @@ def test_unknown_parser_is_a_clear_error():
 MALFORMED = {
     "pythonic": ["[f(a={1, 2})]", "[f(a={[1]})]", "[f(a=b'x')]", "[f(a=1e999)]", "[f(a=" + "[" * 1100 + "]" * 1100 + ")]"],
     "hermes": ["<tool_call>" + "[" * 1100, '<tool_call>{"name": "f", "arguments": "oops"}</tool_call>',
-               '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'],
+               '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+               '<tool_call>{"name": "f", "arguments": "{\\"x\\": NaN}"}</tool_call>'],
     "llama3_json": ['{"name": "f", "parameters": ' + "[" * 1100 + "]" * 1100 + "}", '{"name": "f", "parameters": "[1]"}'],
 }  # fmt: skip
 
@@ -161,3 +162,11 @@ def test_earlier_calls_are_shown_with_their_arguments_as_an_object():
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
     shown = describe_tools(messages, TOOLS)[2]["content"]
     assert shown == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def test_forced_calls_with_numbers_json_cannot_hold_are_no_calls():
+    from pagedllm.entrypoints.openai.tools import ToolChoice
+
+    required = ToolChoice("required", TOOLS)
+    assert required.calls('[{"name": "get_weather", "parameters": {"x": 1e999}}]') is None  # (would be sent as Infinity)
+    assert [c.name for c in required.calls('[{"name": "get_weather", "parameters": {"x": 1}}]')] == ["get_weather"]

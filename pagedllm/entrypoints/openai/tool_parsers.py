@@ -35,9 +35,13 @@ class ToolCall:
 
 def _arguments_json(args: Any) -> str | None:
     """A call's arguments as OpenAI's JSON text of an object (None if they are not one)."""
-    if isinstance(args, str):  # already JSON text (some models write it so): it must hold an object
-        return args if isinstance(json.loads(args), dict) else None
+    if isinstance(args, str):  # already JSON text (some models write it so): a standard JSON object
+        return args if isinstance(json.loads(args, parse_constant=_not_json), dict) else None
     return json.dumps(args, ensure_ascii=False, allow_nan=False) if isinstance(args, dict) else None
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # (Python's json reads NaN and Infinity; clients' parsers do not)
 
 
 def _call_from_object(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:

@@ -69,7 +69,7 @@ class ToolChoice:
             if self.mode == "named":
                 return [ToolCall(self.name or "", text.strip())] if isinstance(json.loads(text), dict) else None
             items = json.loads(text)
-            return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+            return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False, allow_nan=False)) for i in items]
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
 
