@@ -44,6 +44,9 @@ logger = logging.getLogger("pagedllm.kv_cache")
 # do: no kernel reads it, the torch backends gather and mask it).
 NULL_BLOCK = KVBlock(-1)
 NULL_BLOCK_ID = 0
+# A block table's key: a request id, or a holder's (beam search keeps a retired request's blocks
+# under a tuple, which no request id can equal).
+TableId = str | tuple[str, str]
 
 
 def abbrev(items: Iterable[object], limit: int = 16) -> str:
@@ -78,7 +81,7 @@ class KVPoolSnapshot:
     num_blocks: int
     block_size: int
     states: bytes
-    owners: dict[int, list[str]]
+    owners: dict[int, list[TableId]]
     num_cached_blocks: int
 
     @property
@@ -385,7 +388,7 @@ class KVCacheManager:
                     self.block_pool.cache_block(blocks[i], self._key(g, hashes[i]))
             self._num_registered[g][request_id] = max(start, end)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: TableId, child_id: TableId) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` (shared, reference-counted).
 
         Between steps only: the parent's blocks must already hold their K/V (no copy or
@@ -406,7 +409,7 @@ class KVCacheManager:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("kv fork parent=%s child=%s shared=%d", parent_id, child_id, shared)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: TableId) -> None:
         """Release a request's blocks (and swapped copies); its tail goes into the free queue first."""
         tables = [t.pop(request_id, []) for t in self.tables]
         self._pending_copies.pop(request_id, None)  # nothing will read the copies' destinations
@@ -546,7 +549,7 @@ class KVCacheManager:
     def snapshot(self) -> "KVPoolSnapshot":
         """The pool as plain data, for a live view (the dashboard): one pass over the blocks and
         the block tables, no copies of K/V. Call it on the thread that steps the engine."""
-        owners: dict[int, list[str]] = {}
+        owners: dict[int, list[TableId]] = {}
         for table in self.tables:
             for request_id, blocks in table.items():
                 for b in blocks:

@@ -169,17 +169,11 @@ class Scheduler:
             starting = self.kv_connector is not None and req.num_computed_tokens == 0 and not wants_prompt_logprobs
             num_external = self.kv_connector.lookup(req, num_computed, self.kv) if starting else 0
             n = self._chunk(req, num_computed + num_external, budget)
-            if swapped and not self.kv.swap_in(req.request_id, num_computed + n):
-                refund = self._preempt_for(req, out, in_flight)
-                if refund is None:
-                    if self._blocked_by_idle_holders():
-                        skipped.append(self.waiting.pop())
-                        continue
-                    break
-                budget += refund
-                continue
-            if not self.kv.allocate_slots(req.request_id, num_computed, num_external + n, hits):
+            fits = self.kv.swap_in(req.request_id, num_computed + n) if swapped else True
+            if fits and not self.kv.allocate_slots(req.request_id, num_computed, num_external + n, hits):
                 assert not swapped  # swap_in reserved room for these tokens
+                fits = False
+            if not fits:
                 refund = self._preempt_for(req, out, in_flight)
                 if refund is None:
                     if self._blocked_by_idle_holders():
