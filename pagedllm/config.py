@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.checks import is_int, is_number
+from pagedllm.checks import check_bools, is_int, is_number
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
@@ -129,8 +129,7 @@ class SpeculativeConfig:
     auto_length: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.auto_length, bool):
-            raise ValueError(f"speculative_config.auto_length must be true or false, got {self.auto_length!r}")
+        check_bools(self, ("auto_length",), prefix="speculative_config.")
         if self.method is None:
             object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")  # frozen
         if self.method not in SPEC_METHODS:

@@ -6,7 +6,7 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.checks import is_int, is_number
+from pagedllm.checks import check_bools, is_int, is_number
 
 _GREEDY_EPS = 1e-5
 MIN_REPETITION_PENALTY = 0.01  # 1 = off; below 1 favours repeating
@@ -88,10 +88,7 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
             raise ValueError("structured_outputs.structural_tag must be a dict or a JSON string")
-        for name in ("json_object", "disable_any_whitespace"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"structured_outputs.{name} must be true or false, got {value!r}")
+        check_bools(self, ("json_object", "disable_any_whitespace"), prefix="structured_outputs.", optional=True)
         try:
             size = len(self.spec)
         except (RecursionError, ValueError, TypeError) as e:  # nested past the JSON encoder's depth, a cycle, a non-JSON value
@@ -175,10 +172,8 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
         if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer at least n ({self.n}), got {self.best_of!r}")
-        for name in ("use_beam_search", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "detokenize"):  # ("yes" or None would read as a bool)
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_bools(self, ("use_beam_search", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                           "spaces_between_special_tokens", "detokenize"))  # fmt: skip
         if not is_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never") or (is_int(self.early_stopping) and not isinstance(self.early_stopping, bool)):

@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pagedllm.checks import check_bools, is_int, is_number
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, RowLogprobs
 from pagedllm.request import Request, RequestStatus
@@ -72,17 +72,15 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
+        if not is_int(self.beam_width) or self.beam_width < 1:
             raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature != 0:
             raise ValueError(f"temperature must be 0 for beam search (deterministic), got {self.temperature!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_bools(self, ("ignore_eos", "include_stop_str_in_output"))
         lp = self.length_penalty
-        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp) or abs(lp) > MAX_LENGTH_PENALTY:
+        if not is_number(lp) or abs(lp) > MAX_LENGTH_PENALTY:
             # (length ** 1e308 overflows in the middle of a search)
             raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got {lp!r}")
         if self.early_stopping not in EARLY_STOPPING or isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool):
