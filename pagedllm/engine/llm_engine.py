@@ -211,15 +211,16 @@ class LLMEngine:
             self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,
                            req.priority, num_return=params.n)  # fmt: skip
             return request_id
-        if self._id_in_use(request_id):  # (before best_of.add: a refused id must change nothing)
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        n = expand_best_of(params).n if wants_best_of(params) else params.n
-        ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-        if any(self._id_in_use(i) for i in ids):
-            raise ValueError(f"request_id {request_id!r} is already in use (by {next(i for i in ids if self._id_in_use(i))!r})")
-        if wants_best_of(params):  # engine/best_of.py: best_of samples, the n best returned at the end
+        best_of = wants_best_of(params)  # engine/best_of.py: best_of samples, the n best returned at the end
+        sampled = expand_best_of(params) if best_of else params
+        ids = [request_id] if sampled.n == 1 else [f"{i}_{request_id}" for i in range(sampled.n)]
+        # Checked before best_of.add: a refused id must change nothing.
+        taken = next((i for i in dict.fromkeys([request_id, *ids]) if self._id_in_use(i)), None)
+        if taken is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use" + ("" if taken == request_id else f" (by {taken!r})"))
+        if best_of:
             self.best_of.add(request_id, params)
-            params, output_kind = expand_best_of(params), RequestOutputKind.FINAL_ONLY
+            params, output_kind = sampled, RequestOutputKind.FINAL_ONLY
         samples = [
             Request(
                 request_id=ids[i],
@@ -257,6 +258,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority)
         return request_id
+
     def _id_in_use(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request of any kind: a caller's (and its samples'
         parent), a sample ("{i}_{parent}", queued or still held back), a beam search, or a step
