@@ -33,7 +33,7 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-def _arguments_json(args: Any) -> str | None:
+def arguments_json(args: Any) -> str | None:
     """A call's arguments as OpenAI's JSON text of an object (None if they are not one)."""
     if isinstance(args, str):  # already JSON text (some models write it so): a standard JSON object
         return args if isinstance(json.loads(args, parse_constant=_not_json), dict) else None
@@ -49,7 +49,7 @@ def _call_from_object(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
         return None
     for key in args_keys:
         if key in obj:
-            args = _arguments_json(obj[key])
+            args = arguments_json(obj[key])
             return None if args is None else ToolCall(obj["name"], args)
     return ToolCall(obj["name"], "{}")
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.tool_parsers import ToolCall
+from pagedllm.entrypoints.openai.tool_parsers import ToolCall, arguments_json
 from pagedllm.sampling_params import StructuredOutputsParams
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -67,7 +67,8 @@ class ToolChoice:
         """The calls in a forced choice's (grammar-shaped) output; None if it is incomplete."""
         try:  # (a stop string or max_tokens may cut the grammar's output short; nesting may be deep)
             if self.mode == "named":
-                return [ToolCall(self.name or "", text.strip())] if isinstance(json.loads(text), dict) else None
+                args = arguments_json(text.strip())
+                return None if args is None else [ToolCall(self.name or "", args)]
             items = json.loads(text)
             return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False, allow_nan=False)) for i in items]
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
