@@ -83,7 +83,7 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 
 
 def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
-    """Where ``schema`` uses a keyword the grammar cannot enforce: ["#/properties/a: uniqueItems", ...]."""
+    """Where ``schema`` uses a keyword the grammar cannot enforce: ["#/properties/a: contains", ...]."""
     if not isinstance(schema, dict):
         return []
     found = [f"{path}: {k}" for k in UNENFORCED_KEYWORDS if k in schema]
@@ -134,14 +134,11 @@ def parse(params: StructuredOutputsParams) -> None:
     kind = params.kind
     try:
         if kind == "json":
-            schema = params.spec
-            if isinstance(params.json, str):
-                try:
-                    json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"the schema is not valid JSON ({e})") from e
-            if schema:  # ("" is json_object's: any object)
+            schema = params.spec  # (the caller's string, or its dict or pydantic model written out)
+            try:
                 _refuse_unenforced([json.loads(schema)])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the schema is not valid JSON ({e})") from e
             xgr.Grammar.from_json_schema(schema, **_whitespace(params))
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
