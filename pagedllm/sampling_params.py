@@ -233,7 +233,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bad[0]!r}")
             self.logit_bias = {k: float(v) for k, v in bias.items()}
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = self._token_list("allowed_token_ids", self.allowed_token_ids)
+            # (duplicates dropped: the set is what counts, and the sampler masks with it every step)
+            self.allowed_token_ids = list(dict.fromkeys(self._token_list("allowed_token_ids", self.allowed_token_ids)))
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words is not None and (

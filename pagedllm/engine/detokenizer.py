@@ -16,7 +16,7 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, params: SamplingParams):
+    def __init__(self, tokenizer: Any, params: SamplingParams, eos_token_ids: frozenset[int] = frozenset()):
         from tokenizers.decoders import DecodeStream
 
         self._backend = tokenizer.backend_tokenizer
@@ -25,8 +25,11 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._hold_back = max(0, params.max_stop_len - 1)
         self._min_tokens = params.min_tokens
-        # A stop token id ends the text without its own text (as vLLM), unless asked to keep it.
-        self._stop_ids = frozenset() if params.include_stop_str_in_output else frozenset(params.stop_token_ids)
+        # A token that ends the request - a stop token id, or EOS unless ignored - ends the text
+        # without its own text (as vLLM: "<|im_end|>" showed with skip_special_tokens=false),
+        # unless asked to keep it.
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._stop_ids = frozenset() if params.include_stop_str_in_output else frozenset(stop_ids)
         self.text = ""
         self._emitted = 0
         self._num_tokens = 0

@@ -63,7 +63,7 @@ class OutputProcessor:
             request_id=first.parent_id,
             kind=kind,
             samples=[
-                _Sample(r, IncrementalDetokenizer(self.tokenizer, r.sampling_params) if detok else None)
+                _Sample(r, IncrementalDetokenizer(self.tokenizer, r.sampling_params, r.eos_token_ids) if detok else None)
                 for r in samples
             ],
         )

@@ -55,12 +55,23 @@ class CachedRequestState:
     spec_skip: int = 0
     spec_drafted: int = 0
     lora_request: LoRARequest | None = None
+    # allowed_token_ids and logit_bias as tensors, made once: a request may bring thousands of
+    # ids, and converting them every step slowed everyone's steps (found by an adversarial session).
+    allowed_ids: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         state = cls(new.req_id, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
                     new.eos_token_ids, new.bad_words_token_ids, lora_request=new.lora_request)  # fmt: skip
         state.token_ids = list(new.prompt_token_ids) + state.output_token_ids
+        p = new.sampling_params
+        if p.allowed_token_ids is not None:
+            state.allowed_ids = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+        if p.logit_bias:
+            state.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            state.bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
         return state
 
     def append(self, token_id: int) -> None:
@@ -411,10 +422,10 @@ class ModelRunner:
                 batch.repetition.append(p.repetition_penalty)
                 batch.output_ids.append(r.output_token_ids)
                 batch.prompt_ids.append(r.prompt_token_ids if p.repetition_penalty != 1 else [])
-            if p.logit_bias:
-                batch.logit_bias.extend((row, t, b) for t, b in p.logit_bias.items())
-            if p.allowed_token_ids is not None:
-                batch.allowed.append((row, p.allowed_token_ids))
+            if r.bias_ids is not None:
+                batch.logit_bias.append((row, r.bias_ids, r.bias_values))
+            if r.allowed_ids is not None:
+                batch.allowed.append((row, r.allowed_ids))
             banned = self._banned_tokens(r)
             if banned:
                 batch.banned.append((row, banned))

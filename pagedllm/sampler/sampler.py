@@ -21,6 +21,7 @@ token from the same uniform.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -44,8 +45,9 @@ class SamplingBatch:
     repetition: list[float] = field(default_factory=list)
     output_ids: list[list[int]] = field(default_factory=list)
     prompt_ids: list[list[int]] = field(default_factory=list)
-    logit_bias: list[tuple[int, int, float]] = field(default_factory=list)  # (row, token, bias)
-    allowed: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, allowed token ids)
+    # (row, token ids, biases): ints and floats, or 1-D tensors of them.
+    logit_bias: list[tuple[int, Any, Any]] = field(default_factory=list)
+    allowed: list[tuple[int, Sequence[int] | torch.Tensor]] = field(default_factory=list)  # (row, allowed token ids)
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, banned token ids)
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None = not requested
     # Structured outputs: row bitmask_rows[i] may only take the tokens token_bitmask[i] allows.
@@ -242,11 +244,9 @@ class Sampler:
             for row, ids in batch.allowed:
                 if row in banned_rows and bool(torch.isneginf(logits[row]).all()):
                     logits[row] = _keep_only(raw[row], ids)
-        if batch.logit_bias:
-            rows, toks, biases = zip(*batch.logit_bias)
-            logits.index_put_(
-                (torch.tensor(rows), torch.tensor(toks)), torch.tensor(biases, dtype=logits.dtype), accumulate=True
-            )
+        for row, toks, biases in batch.logit_bias:
+            ids = torch.as_tensor(toks, dtype=torch.int64).reshape(-1).to(logits.device)
+            logits[row].index_add_(0, ids, torch.as_tensor(biases, dtype=logits.dtype).reshape(-1).to(logits.device))
         if batch.penalty_rows:
             apply_penalties(logits, batch)
         if batch.bitmask_rows:
@@ -274,7 +274,7 @@ class Sampler:
         return u.to(device)
 
 
-def _keep_only(row: torch.Tensor, ids: list[int]) -> torch.Tensor:
+def _keep_only(row: torch.Tensor, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """``row`` with every token but ``ids`` at -inf (allowed_token_ids)."""
     keep = torch.zeros(row.shape[0], dtype=torch.bool, device=row.device)
     keep[ids] = True

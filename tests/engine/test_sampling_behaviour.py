@@ -212,3 +212,43 @@ def test_parallel_samples_count_against_max_num_seqs(tiny_llama_tok):
         done += [o for o in engine.step() if o.finished]
         assert len(engine.scheduler.running) <= 4
     assert len(done) == 4 and sum(len(o.outputs) for o in done) == 6
+
+
+def test_id_lists_are_deduplicated_and_made_tensors_once(llm, monkeypatch):
+    """A request may bring up to 2**18 allowed ids (a body of duplicates) or 4,096 biases: they
+    were converted to tensors for every row at every step, so one such request with n=32 made
+    everyone's steps ~10x slower (an adversarial session). Now the list is deduplicated and
+    the runner makes its tensors once per request; the result is unchanged."""
+    params = SamplingParams(allowed_token_ids=[7, 5, 7, 5] * 1000)
+    assert params.allowed_token_ids == [7, 5]
+
+    from pagedllm.runner.model_runner import ModelRunner
+
+    seen: list[tuple] = []
+    original = ModelRunner._sampling_batch
+
+    def spy(self, reqs, grammar=None):
+        batch = original(self, reqs, grammar)
+        seen.append((tuple(id(t) for _, t in batch.allowed), tuple(id(t) for _, t, _ in batch.logit_bias)))
+        return batch
+
+    monkeypatch.setattr(ModelRunner, "_sampling_batch", spy)
+    out = gen(llm, "Hello", temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[1234, 99] * 500,
+              logit_bias={t: 1.0 for t in range(2000, 6000)} | {1234: 100.0})  # fmt: skip
+    assert out.outputs[0].token_ids == [1234] * 6
+    assert len(seen) == 6 and len(set(seen)) == 1  # the same tensor objects at every step
+
+
+def test_the_eos_that_ends_a_request_leaves_no_text(llm):
+    """As vLLM: the token that ends a request adds no text, also with skip_special_tokens=False
+    (the chat model's "<|im_end|>" ended its replies), unless include_stop_str_in_output; an
+    ignored EOS is ordinary text."""
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    forced = dict(temperature=0, max_tokens=3, skip_special_tokens=False, logit_bias={eos: 100.0})
+    out = gen(llm, "Hello", **forced).outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
+    kept = gen(llm, "Hello", include_stop_str_in_output=True, **forced).outputs[0]
+    assert kept.token_ids == [eos] and kept.text == tok.eos_token
+    ignored = gen(llm, "Hello", ignore_eos=True, **forced).outputs[0]
+    assert ignored.token_ids == [eos] * 3 and ignored.text == tok.eos_token * 3
