@@ -74,6 +74,7 @@ class Request:
     # Draft tokens (speculative decoding) for the next step to verify; never in all_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter this request runs with (None: the base model)
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -87,8 +88,9 @@ class Request:
 
     @property
     def cache_keys(self) -> tuple:
-        """Extra keys of this request's prefix-cache block hashes (its adapter, if any)."""
-        return self.lora_request.cache_key if self.lora_request is not None else ()
+        """Extra keys of this request's prefix-cache block hashes (its adapter and salt, if any)."""
+        keys = self.lora_request.cache_key if self.lora_request is not None else ()
+        return keys if self.cache_salt is None else (*keys, "cache_salt", self.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,7 @@ from pagedllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, Struc
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text alongside).
 PromptType = str | Mapping[str, Any]
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 @dataclass
@@ -29,6 +29,9 @@ class ProcessedRequest:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     lora_request: Any = None  # a LoRARequest (checked by the engine, which loads it)
     max_tokens_given: bool = True  # False: max_tokens is the default (the longest context the pool holds)
+    # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks (so one
+    # tenant cannot learn another's prompts from cache-hit timing).
+    cache_salt: str | None = None
 
 
 class InputProcessor:
@@ -83,13 +86,13 @@ class InputProcessor:
                 f"exceeds max_model_len ({self.max_model_len})"
             )
         return ProcessedRequest(text, ids, params, priority, self._bad_words_ids(params.bad_words or []),
-                                max_tokens_given=given)  # fmt: skip
+                                max_tokens_given=given, cache_salt=cache_salt(prompt))  # fmt: skip
 
     def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping) and (unknown := sorted(map(repr, set(prompt) - PROMPT_KEYS))):
             # (a misspelt key would otherwise be dropped without a word)
             raise ValueError(f"prompt has unknown keys {', '.join(unknown)}: a prompt dict takes 'prompt' and/or "
-                             "'prompt_token_ids'")  # fmt: skip
+                             "'prompt_token_ids' (and 'cache_salt')")  # fmt: skip
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -124,6 +127,14 @@ class InputProcessor:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+
+def cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's key), checked: a non-empty string, or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 # Ordinary text runs 3-5 characters a token; a text whose first 16 characters per allowed token

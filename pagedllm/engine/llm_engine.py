@@ -209,7 +209,7 @@ class LLMEngine:
             if self._id_in_use(request_id):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,
-                           req.priority, num_return=params.n)  # fmt: skip
+                           req.priority, num_return=params.n, cache_salt=req.cache_salt)  # fmt: skip
             return request_id
         best_of = wants_best_of(params)  # engine/best_of.py: best_of samples, the n best returned at the end
         sampled = expand_best_of(params) if best_of else params
@@ -233,6 +233,7 @@ class LLMEngine:
                 priority=req.priority,
                 bad_words_token_ids=req.bad_words_token_ids,
                 lora_request=lora_request,
+                cache_salt=req.cache_salt,
             )
             for i in range(params.n)
         ]
@@ -256,7 +257,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.next_request_id()
         if self._id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority)
+        self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority,
+                       cache_salt=req.cache_salt)
         return request_id
 
     def _id_in_use(self, request_id: str) -> bool:

@@ -56,7 +56,7 @@ class SchedulerConnector:
         bs = self.block_size
         found = self._pending.get(req.request_id)
         if found is None or found.start != num_computed_tokens:
-            hashes = kv.block_hashes(req.request_id, req.all_token_ids)
+            hashes = kv.block_hashes(req.request_id, req.all_token_ids, extra_keys=req.cache_keys)
             first, last = num_computed_tokens // bs, min(len(hashes), (req.num_tokens - 1) // bs)
             t0 = time.perf_counter()
             payloads = []
@@ -108,7 +108,7 @@ class SchedulerConnector:
                 first, end = s.num_computed_tokens // bs, known_end // bs
                 if end <= first:
                     continue
-                hashes = kv.block_hashes(s.req_id, requests[s.req_id].all_token_ids, known_end)
+                hashes = kv.block_hashes(s.req_id, requests[s.req_id].all_token_ids, known_end, requests[s.req_id].cache_keys)
                 for i in range(first, end):
                     if not self.store.contains(hashes[i]):
                         meta.saves.append(BlockSave(s.req_id, s.block_ids[i], hashes[i]))

@@ -252,3 +252,14 @@ def test_the_eos_that_ends_a_request_leaves_no_text(llm):
     assert kept.token_ids == [eos] and kept.text == tok.eos_token
     ignored = gen(llm, "Hello", ignore_eos=True, **forced).outputs[0]
     assert ignored.token_ids == [eos] * 3 and ignored.text == tok.eos_token * 3
+
+
+def test_cache_salt_in_a_prompt_dict(llm):
+    """vLLM's prompt key ``cache_salt``: the same salt shares prefix-cache blocks, another does not."""
+    prompt = "A prompt long enough to fill some blocks of the prefix cache. " * 4
+    kw = dict(temperature=0, max_tokens=1)
+    cached = [gen(llm, {"prompt": prompt, "cache_salt": s}, **kw).num_cached_tokens for s in ("a", "a", "b")]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
+    for bad in (5, ""):
+        with pytest.raises(ValueError, match="cache_salt"):
+            gen(llm, {"prompt": prompt, "cache_salt": bad}, **kw)

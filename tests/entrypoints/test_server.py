@@ -185,6 +185,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [-5]}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, None),
     ("/detokenize", {"tokens": [10**8]}, 400, None),
+    # vLLM refuses stream_options without a stream; fields we cannot honour are refused, not ignored.
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "return_token_ids": True}, 400, "return_token_ids"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/completions", {"prompt": None}, 400, "prompt"),  # null is the default only where there is one
 ]
 
 
@@ -322,6 +327,15 @@ def test_echo_with_logprobs(client, model):
     streamed = [t for ch in chunks for t in ch.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
     assert [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # Each chunk's text_offset continues the one before (they restarted at 0 in every chunk).
+    assert [x for ch in chunks for x in ch.choices[0].logprobs.text_offset] == lp.text_offset
+    for echo in (False, True):
+        kw = dict(model=model, prompt=prompt, max_tokens=5, temperature=0, echo=echo, logprobs=0, n=2)
+        whole = client.completions.create(**kw).choices
+        parts = list(client.completions.create(stream=True, **kw))
+        for c in whole:
+            got = [x for ch in parts for d in ch.choices if d.index == c.index for x in d.logprobs.text_offset]
+            assert got == c.logprobs.text_offset and len(set(got)) == len(got) > 2
     zero = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
     tops = zero.choices[0].logprobs.top_logprobs
     assert tops[0] is None and all(list(t) == [tok] for t, tok in zip(tops[1:], zero.choices[0].logprobs.tokens[1:]))
@@ -340,3 +354,53 @@ def test_bench_serve_drives_the_server(server, model, tmp_path):
     assert res["successful_requests"] == 8 and res["failed_requests"] == 0
     assert res["output_token_throughput"] > 0 and res["goodput"] > 0
     assert 0 < res["ttft_ms"]["median"] <= res["e2el_ms"]["median"]
+
+
+def test_explicit_nulls_mean_the_defaults(server, model):
+    """OpenAI types these fields "X or null" and clients send the null; it was a 400."""
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "stream_options": None}
+    body = {"model": model, "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Hi"}, timeout=30).json()
+    resp = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Hi", "echo": None, **nulls}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert [c["text"] for c in resp.json()["choices"]] == [c["text"] for c in plain["choices"]]
+    chat = {**body, "messages": [{"role": "user", "content": "Hi"}], "logprobs": None, "parallel_tool_calls": None, **nulls}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, resp.text
+
+
+def test_chat_echo_puts_the_continued_message_first(client, model):
+    """vLLM's chat ``echo``: a continued assistant message comes back before the reply (it
+    was accepted and ignored)."""
+    start = "My favourite colour is"
+    messages = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": start}]
+    kw = dict(model=model, messages=messages, max_tokens=5, temperature=0)
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    bare = client.chat.completions.create(**kw, extra_body=extra).choices[0].message.content
+    echoed = client.chat.completions.create(**kw, extra_body={**extra, "echo": True}).choices[0].message.content
+    assert echoed == start + bare
+    chunks = client.chat.completions.create(**kw, stream=True, extra_body={**extra, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    # A user message last (a new reply) is not echoed.
+    plain = client.chat.completions.create(model=model, messages=messages[:1], max_tokens=3, temperature=0,
+                                           extra_body={"echo": True}).choices[0].message.content  # fmt: skip
+    assert not plain.startswith("Tell me.")
+
+
+def test_cache_salt_keeps_prefix_caches_apart(server, client, model):
+    """vLLM's ``cache_salt``: requests share prefix-cache blocks only under the same salt (it
+    was accepted and ignored, so another tenant's prompt could be timed)."""
+    prompt = "A long shared system prompt for salting. " * 12
+
+    def cached(**extra) -> int:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    cached()  # the unsalted blocks
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0  # its own salt hits
+    assert cached(cache_salt="tenant-b") == 0
+    chat = [{"role": "user", "content": prompt}]
+    hit = [client.chat.completions.create(model=model, messages=chat, max_tokens=1, extra_body={"cache_salt": "c"})
+           .usage.prompt_tokens_details for _ in range(2)]  # fmt: skip
+    assert (hit[0].cached_tokens or 0) == 0 and hit[1].cached_tokens > 0

@@ -7,6 +7,8 @@ Python interface reject the same things with the same messages.
 from __future__ import annotations
 
 import logging
+import types
+import typing
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -33,6 +35,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v not in (None, ["text"]),
     "prediction": lambda v: v is not None,
     "return_tokens_as_token_ids": bool,
+    "return_token_ids": bool,
     "mm_processor_kwargs": bool,
     "documents": bool,
 }
@@ -70,6 +73,14 @@ class _TextBody(BaseModel):
         return data
 
 
+def _takes_none(field: Any) -> bool:
+    """Whether a field is required or declares None as a value of its own (where null is not the default)."""
+    if field.is_required():
+        return True
+    ann = field.annotation
+    return ann is type(None) or (typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in typing.get_args(ann))
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -79,6 +90,16 @@ class _SamplingFields(_TextBody):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API types most optional fields "X or null", and clients send the null
+        ("n": null, "stream": null): it means the default, as in vLLM."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or _takes_none(fields[k])}
+        return data
 
     model: str | None = None
     n: int = 1
@@ -105,6 +126,7 @@ class _SamplingFields(_TextBody):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* names (aliases; at most one of them per request).
     response_format: dict[str, Any] | None = None
@@ -127,6 +149,8 @@ class _SamplingFields(_TextBody):
         best_of = given.get("best_of")
         if best_of is not None and best_of != self.n and "best_of" not in self._supported:
             raise ValueError("best_of is not supported by this server (only best_of == n)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise ValueError("stream_options.continuous_usage_stats is not supported by this server")
         for name in self.model_extra or {}:
@@ -272,6 +296,22 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the reply starts with the last message's content when that message has the
+    # reply's role (an assistant message being continued).
+    echo: bool = False
+
+    def echo_text(self) -> str:
+        """What ``echo`` puts before each reply's content ("" when nothing)."""
+        if not self.echo or not self.messages:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.get("role")
+        if last.get("role") != role:
+            return ""
+        content = last.get("content")
+        if isinstance(content, list):
+            return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return content if isinstance(content, str) else ""
 
     def to_sampling_params(self) -> SamplingParams:
         """Without max_tokens, the engine lets the reply run to the longest context it can hold."""

@@ -77,9 +77,11 @@ async def _checked(request_id: str, stream: AsyncIterator[RequestOutput]) -> Asy
 
 async def _start(
     llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0,
-    lora_request: LoRARequest | None = None,
+    lora_request: LoRARequest | None = None, cache_salt: str | None = None,
 ) -> list[AsyncIterator[RequestOutput]]:
     """Queue every prompt in one engine command: all are accepted or none."""
+    if cache_salt is not None:
+        prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "cache_salt": cache_salt} for p in prompts]
     ids = _request_ids(base_id, len(prompts))
     streams = await llm.add_requests(prompts, params, ids, priority, lora_request=lora_request)
     return [_checked(base_id, s) for s in streams]
@@ -218,7 +220,7 @@ class OpenAIServing:
             raise ValueError(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS_PER_REQUEST} per request")
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await _start(self.llm, prompts, params, rid, req.priority, self.loras.get(req.model or ""))
+        streams = await _start(self.llm, prompts, params, rid, req.priority, self.loras.get(req.model or ""), req.cache_salt)
         if req.stream:
             ids = _request_ids(rid, len(prompts))
             return _aborting_on_exit(self.llm, ids, self._completion_stream(req, params, streams, rid, created))
@@ -266,6 +268,7 @@ class OpenAIServing:
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         echoed: set[int] = set()
+        text_offsets: dict[int, int] = {}  # per choice: the text_offset its next chunk starts at
         prompt_lps: dict[int, list] = {}  # delta outputs carry prompt logprobs once, early
         async for i, out in _merge(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
@@ -283,7 +286,11 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = self._completion_logprobs(entries + list(zip(c.token_ids, c.logprobs or [])), params.logprobs)
+                    logprobs = self._completion_logprobs(
+                        entries + list(zip(c.token_ids, c.logprobs or [])), params.logprobs, text_offsets.get(idx, 0)
+                    )
+                    if logprobs["tokens"]:
+                        text_offsets[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 chunk = {
                     "id": rid,
                     "object": "text_completion",
@@ -314,9 +321,10 @@ class OpenAIServing:
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
-    def _completion_logprobs(self, entries: list[tuple[int, PositionLogprobs | None]], k: int) -> dict:
+    def _completion_logprobs(self, entries: list[tuple[int, PositionLogprobs | None]], k: int, offset: int = 0) -> dict:
+        """The legacy logprobs object; ``text_offset`` counts from ``offset`` (a stream's chunks
+        continue the offsets of the chunks before them, so they agree with the whole answer)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = 0
         for tid, entry in entries:
             tok = self._decode(tid)
             tokens.append(tok)
@@ -366,7 +374,7 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid, req.priority,
-                               self.loras.get(req.model or ""))  # fmt: skip
+                               self.loras.get(req.model or ""), req.cache_salt)  # fmt: skip
         if req.stream:
             return _aborting_on_exit(
                 self.llm, [rid], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids), tools)
@@ -377,11 +385,13 @@ class OpenAIServing:
             self._accumulate(choices, 0, out)
             cached_tokens = out.num_cached_tokens
         data = []
+        echo = req.echo_text()
         for idx, ch in enumerate(choices):
-            message: dict[str, Any] = {"role": "assistant", "content": ch.text}
+            message: dict[str, Any] = {"role": "assistant", "content": echo + ch.text}
             finish_reason = ch.finish_reason
             content, calls = self._tool_calls(tools, ch.text) if ch.finish_reason != "length" else (None, None)
             if calls:
+                content = echo + content if echo else content
                 message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
                 finish_reason = "tool_calls"
             data.append(
@@ -421,11 +431,15 @@ class OpenAIServing:
                 body["usage"] = usage
             return _sse(body)
 
+        echo = req.echo_text()
         for i in range(params.n):
             yield chunk(
                 [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
                 with_usage=include_usage,
             )
+            if echo:
+                yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}],
+                            with_usage=include_usage)  # fmt: skip
         completion_tokens = 0
         calls = [_ToolStream(tools, self.tool_parser) for _ in range(params.n)] if tools is not None else None
         async for out in stream:
