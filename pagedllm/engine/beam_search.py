@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from pagedllm.checks import check_bools, is_int, is_number
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, RowLogprobs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -133,6 +134,7 @@ class _Group:
     beams: list[_Beam]  # running, best first
     num_return: int  # how many of the best finished beams the output carries
     cache_salt: str | None = None  # the search's prefix-cache salt, for all its step requests
+    lora_request: LoRARequest | None = None  # the adapter all its step requests run with
     requests: dict[str, _Beam] = field(default_factory=dict)  # live request id -> its beam
     finished: list[tuple[float, list[int], float]] = field(default_factory=list)  # (score, tokens, cum)
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
@@ -178,7 +180,7 @@ class BeamSearch:
 
     def add(self, group_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
             eos: frozenset[int], max_model_len: int, priority: int = 0, num_return: int | None = None,
-            cache_salt: str | None = None) -> None:  # fmt: skip
+            cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:  # fmt: skip
         """Queue a search (ValueError, changing nothing, if it could never run)."""
         if group_id in self.groups:
             raise ValueError(f"request_id {group_id!r} is already in use")
@@ -192,7 +194,7 @@ class BeamSearch:
         if num_return is not None and not 1 <= num_return <= params.beam_width:
             raise ValueError(f"n ({num_return}) must be between 1 and the beam width ({params.beam_width})")
         group = _Group(group_id, params, prompt, list(prompt_token_ids), frozenset() if params.ignore_eos else eos, priority,
-                       [], num_return or params.beam_width, cache_salt=cache_salt)  # fmt: skip
+                       [], num_return or params.beam_width, cache_salt=cache_salt, lora_request=lora_request)  # fmt: skip
         first = _Beam([], 0.0)
         req = self._request(group, first, list(prompt_token_ids), 0, first=True)
         # What the whole search could hold at once must fit: refuse now rather than wait forever
@@ -245,7 +247,8 @@ class BeamSearch:
         # max_tokens=2: the request samples once and is retired before it could sample again.
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=k, detokenize=False)
         req = Request(rid, None, token_ids, params, group.eos, priority=group.priority, parent_id=group.group_id,
-                      index=0 if first else 1, arrival_time=group.arrival_time, cache_salt=group.cache_salt)  # fmt: skip
+                      index=0 if first else 1, arrival_time=group.arrival_time, cache_salt=group.cache_salt,
+                      lora_request=group.lora_request)  # fmt: skip
         req.num_computed_tokens = num_computed
         if not first:  # a continuation: not a new prompt for the prompt-token stats
             req.num_prompt_tokens_run = req.num_prompt_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagedllm.config import EngineConfig, cache_dir
+from pagedllm.kernels import ops
 from pagedllm.kv_connector.factory import KVConnector, make_kv_connector
 from pagedllm.kv_connector.fingerprint import ModelFingerprint, weights_digest
 from pagedllm.kv_connector.worker_side import block_layout
@@ -23,6 +24,7 @@ def model_fingerprint(config: EngineConfig, weights_path: Path, runner: ModelRun
         block_layout=block_layout(runner.block_tensors()),
         activation_dtype=config.activation_dtype,
         attention_backend=runner.backend.name,
+        kernels="native" if ops.native_available() else "torch",
     )
 
 

@@ -164,6 +164,7 @@ class LLMEngine:
             logger.info("resident weights %.1f MiB, RSS %.1f MiB", report["weight_bytes"] / 2**20, report["rss_bytes"] / 2**20)
         lora = self._lora
         if lora is not None:
+            lora.in_use = self._loras_in_use
             logger.info("LoRA: %d slots of rank <= %d (%.1f MiB preallocated), up to %d adapters loaded",
                         lora.max_loras, lora.max_lora_rank, lora.table.nbytes / (1 << 20), lora.max_cpu_loras)  # fmt: skip
         if len(layout.groups) > 1 or layout.groups[0].window is not None:
@@ -209,7 +210,8 @@ class LLMEngine:
             if self._id_in_use(request_id):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.beams.add(request_id, req.prompt, req.prompt_token_ids, beam, self.eos_token_ids, self.max_model_len,
-                           req.priority, num_return=params.n, cache_salt=req.cache_salt)  # fmt: skip
+                           req.priority, num_return=params.n, cache_salt=req.cache_salt,
+                           lora_request=lora_request)  # fmt: skip
             return request_id
         best_of = wants_best_of(params)  # engine/best_of.py: best_of samples, the n best returned at the end
         sampled = expand_best_of(params) if best_of else params
@@ -286,6 +288,14 @@ class LLMEngine:
         if self._lora is None or any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
             return False
         return self._lora.remove(lora_int_id)
+
+    def _loras_in_use(self) -> set[int]:
+        """Adapter ids of every live request: scheduled, held back (n > 1, grammars) or a beam search."""
+        ids = {r.lora_int_id for r in self.scheduler.requests.values()}
+        ids |= {s.request.lora_int_id for p in self.output_processor.parents.values() for s in p.samples}
+        ids |= {g.lora_request.lora_int_id for g in self.beams.groups.values() if g.lora_request is not None}
+        ids.discard(0)
+        return ids
 
     def list_loras(self) -> list[int]:
         return self._lora.loaded_ids() if self._lora is not None else []

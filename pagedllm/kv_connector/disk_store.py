@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import stat
 import struct
@@ -39,6 +40,9 @@ MAGIC = b"PGKVBLK1"
 HEADER = struct.Struct("<8s32s32sQII")
 SUFFIX = ".kvb"
 STALE_TMP_SECONDS = 600.0  # a temporary file this old is a crashed writer's leftover
+# The store's own temporary files: a block being written ("<hash>.kvb.<pid>.<hex>.tmp") and a
+# writability probe (".probe-<hex>.tmp").
+_OWN_TMP = re.compile(r"[0-9a-f]+" + re.escape(SUFFIX) + r"\.\d+\.[0-9a-f]+\.tmp|\.probe-[0-9a-f]{8}\.tmp")
 
 
 def encode_header(fingerprint: bytes, block_hash: bytes, payload: memoryview | bytes) -> bytes:
@@ -116,7 +120,8 @@ class DiskKVStore(KVStore):
                     continue
                 if name.endswith(SUFFIX):
                     found.append((st.st_mtime, full, st.st_size))
-                elif name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
+                elif _OWN_TMP.fullmatch(name) and now - st.st_mtime > STALE_TMP_SECONDS:
+                    # (only the store's own: the root may be a shared folder with others' .tmp files)
                     _unlink(full)
         found.sort()
         for _, full, size in found:

@@ -69,6 +69,7 @@ class ModelFingerprint:
     block_layout: str  # the payload's parts: per block-indexed tensor, its dtype and shape
     activation_dtype: str = "float32"
     attention_backend: str = ""
+    kernels: str = ""  # "native" or "torch": the torch fallbacks sum in other orders (other bytes)
     adapter_id: str | None = None  # a LoRA adapter, when there is one
     version: int = 1  # of the payload format
 

@@ -112,6 +112,7 @@ def _check_config(req: LoRARequest, config: dict, max_rank: int) -> tuple[int, f
         "rank_pattern": "per-module ranks (rank_pattern)",
         "alpha_pattern": "per-module alphas (alpha_pattern)",
         "layer_replication": "layer_replication",
+        "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     }
     for key, what in unsupported.items():
         if config.get(key):

@@ -5,13 +5,17 @@ distinct adapters, so the adapters of any step fit in the slots. ``prepare_step`
 adapters already in a slot where they are and puts each missing one into a free slot, or
 into the least recently used slot whose adapter this step does not need. Loading from disk
 happens at most once per adapter while it stays in the LRU; an adapter in a slot is never
-evicted from the LRU (its slot copy and its tensors stay in step).
+evicted from the LRU (its slot copy and its tensors stay in step), nor is one that a live
+request uses (``in_use``): its files may be gone by the time the request runs (an unloaded
+adapter's directory may be deleted at once), and its id must keep naming it. The LRU may then
+hold more than ``max_cpu_loras`` adapters until those requests end.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import Callable
 
 from pagedllm.lora.adapter import LoRAAdapter, load_adapter
 from pagedllm.lora.request import LoRARequest
@@ -35,6 +39,7 @@ class LoRAManager:
         self._step = 0
         self.num_loads = 0  # adapters read from disk
         self.num_slot_loads = 0  # adapters copied into a slot
+        self.in_use: Callable[[], set[int]] = set  # ids live requests use (the engine sets it)
 
     # ------------------------------------------------------------------ the LRU
     def add(self, req: LoRARequest) -> LoRAAdapter:
@@ -56,8 +61,11 @@ class LoRAManager:
         return adapter
 
     def _evict(self, keep: int) -> None:
+        if len(self._loaded) <= self.max_cpu_loras:
+            return
+        busy = self.in_use()
         while len(self._loaded) > self.max_cpu_loras:
-            victim = next((i for i in self._loaded if i != keep and i not in self._slot_of), None)
+            victim = next((i for i in self._loaded if i != keep and i not in self._slot_of and i not in busy), None)
             if victim is None:
                 return
             del self._loaded[victim]

@@ -105,9 +105,15 @@ def test_temporary_files_are_never_read_and_stale_ones_are_cleaned(tmp_path):
     torn.write_bytes(b"half a block")  # a writer that crashed before its rename
     assert s.get(h(7)) is None and not s.contains(h(7))
     old = time.time() - 3600
-    os.utime(torn, (old, old))
+    # Others' temporary files in a shared root are not the store's to delete (they were).
+    foreign = [tmp_path / "notes.tmp", tmp_path / "someone" / "download.tmp", final.parent / "x.kvb.1.ab.tmp"]
+    for f in foreign:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("not ours")
+    for f in [torn, *foreign]:
+        os.utime(f, (old, old))
     store(tmp_path)  # a restart cleans it up
-    assert not torn.exists()
+    assert not torn.exists() and all(f.exists() for f in foreign)
 
 
 def test_lru_eviction_under_the_cap(tmp_path):

@@ -125,6 +125,22 @@ def test_another_kv_cache_dtype_is_another_fingerprint(tiny_llama, filled_store,
     assert totals(llm).num_hit_blocks == 0
 
 
+def test_the_torch_fallback_kernels_are_another_fingerprint(tiny_llama, tmp_path):
+    """A host without a compiler runs the torch twins, which sum in other orders: its blocks
+    are other bytes, so they must not meet the native kernels' (they shared a fingerprint)."""
+    from pagedllm.kernels import ops
+
+    store = tmp_path / "s"
+    native = make_llm(tiny_llama, store, attention_backend="torch_sdpa")  # native GEMMs, the same attention
+    run(native)
+    assert totals(native).num_saved_blocks > 0
+    native.llm_engine.close()
+    with ops.torch_only():
+        llm = make_llm(tiny_llama, store, attention_backend="torch_sdpa")
+        run(llm)
+    assert totals(llm).num_hit_blocks == 0
+
+
 def test_roles(tiny_llama, filled_store, cold, tmp_path):
     store = copy_store(filled_store, tmp_path / "s")
     before = sorted(p.name for p in store.rglob("*.kvb"))

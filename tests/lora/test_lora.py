@@ -123,13 +123,14 @@ def _set_config(**changes):
         (_set_config(r=32), "rank 32 exceeds max_lora_rank 8"),
         (_set_config(target_modules=["q_proj", "lm_head"]), "unknown target module(s) lm_head"),
         (_set_config(use_dora=True), "DoRA"),
+        (_set_config(alora_invocation_tokens=[5, 6]), "activated LoRA"),  # it acts only after those tokens
         (_set_config(r=3), "do not fit the base's"),  # tensors of rank 4 under a config of rank 3
         (_set_config(lora_alpha=float("nan")), "lora_alpha must be a finite number"),
         (lambda p: _edit_weights(p, lambda t: t.fill_(float("nan"))), "NaN or infinite"),
         (lambda p: _edit_weights(p, lambda t: t.to(torch.int64)), "must be floating point"),
         ("x" * 5000, "cannot open the adapter directory"),
     ],
-    ids=["missing-dir", "no-config", "no-weights", "bad-json", "over-rank", "unknown-target", "dora", "rank-mismatch",
+    ids=["missing-dir", "no-config", "no-weights", "bad-json", "over-rank", "unknown-target", "dora", "alora", "rank-mismatch",
          "nan-alpha", "nan-weights", "int-weights", "path-too-long"],
 )
 def test_bad_adapters_are_refused_clearly(manager, adapters, tmp_path, edit, message):
@@ -293,3 +294,53 @@ def test_bench_writes_adapters_the_engine_loads(manager, tmp_path):
     adapter = manager.add(LoRARequest("bench", 77, str(path)))
     assert set(adapter.target_modules) == set(ALL) and adapter.scaling == 2.0
     manager.remove(77)
+
+
+def test_an_adapter_that_requests_wait_for_stays_loaded_when_its_files_go(base, adapters, tmp_path):
+    """With one adapter kept in memory, loading B evicted A while A's requests still waited;
+    A's directory was then deleted (as after an unload), the step re-read it from disk, failed
+    for every request in it, and the engine was declared dead (an adversarial session). Now an
+    adapter live requests use is never evicted, and its id keeps naming it."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    shutil.copytree(adapters["qv4"], tmp_path / "a")
+    a, b = LoRARequest("a", 1, str(tmp_path / "a")), lora(adapters, "mlp2", 2)
+    engine = LLMEngine(EngineConfig(model=str(base), enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=1,
+                                    num_kv_blocks=64), log_stats_interval=0)  # fmt: skip
+    prompt, params = [9, 8, 7, 6, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": prompt}, params, "b0", lora_request=b)
+    engine.step()  # b0 runs, in the one slot
+    engine.add_request({"prompt_token_ids": prompt}, params, "a1", lora_request=a)
+    engine.add_request({"prompt_token_ids": prompt}, params, "b1", lora_request=b)
+    shutil.rmtree(tmp_path / "a")
+    with pytest.raises(ValueError, match="an id must always name the same adapter"):
+        engine.add_request({"prompt_token_ids": prompt}, params, "x", lora_request=lora(adapters, "ko16", 1))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert {k: o.error for k, o in outs.items()} == {"b0": None, "a1": None, "b1": None}
+    assert outs["a1"].outputs[0].token_ids == merged_greedy(base, adapters["qv4"], prompt, 6)
+    assert outs["b1"].outputs[0].token_ids == merged_greedy(base, adapters["mlp2"], prompt, 6)
+    engine.add_request({"prompt_token_ids": prompt}, params, "c", lora_request=lora(adapters, "ko16", 3))
+    manager = engine.runner.lora  # unused now, a and b make room, but for the one in the slot
+    assert sorted(manager.loaded_ids()) == sorted([3, *(i for i in (1, 2) if manager.slot_of(i) is not None)])
+    assert len(manager.loaded_ids()) == 2
+
+
+def test_beam_search_runs_with_the_adapter(base, adapters):
+    """A beam search with a LoRA adapter ran the base model (an adversarial session): its
+    beams are those of transformers' beam search with the adapter merged."""
+    import peft
+    import transformers
+
+    prompt = [5, 9, 33, 71, 100]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    model = peft.PeftModel.from_pretrained(model, str(adapters["all8-rslora"])).merge_and_unload()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), num_beams=2, do_sample=False, max_new_tokens=6, early_stopping=False)
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=16, num_kv_blocks=64, log_stats_interval=1e9)
+    params = SamplingParams(temperature=0, max_tokens=6, use_beam_search=True, best_of=2, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora(adapters, "all8-rslora", 1), use_tqdm=False)
+    base_beams = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0, len(prompt):].tolist() != base_beams[0].outputs[0].token_ids
