@@ -212,10 +212,15 @@ class BeamSearch:
         self._start_waiting()
 
     def worst_case_blocks(self, prompt_len: int, width: int, max_tokens: int) -> int:
-        """The most KV blocks a search can hold at once: the prompt and one beam's tokens, and
-        each other beam's own tokens plus the block it shares at the fork."""
+        """The most KV blocks a search can hold at once, in every KV-cache group: the prompt
+        and one beam's tokens, and each other beam's own tokens plus the block it shares at the
+        fork; a sliding-window group no more than each beam's window and step chunk take. (One
+        table's count for all groups let Gemma 3's six groups start searches that could never
+        finish: the engine spun forever.)"""
         bs = self.kv.block_size
-        return -(-(prompt_len + max_tokens) // bs) + (width - 1) * (-(-max_tokens // bs) + 1)
+        full = -(-(prompt_len + max_tokens) // bs) + (width - 1) * (-(-max_tokens // bs) + 1)
+        chunk = self.scheduler.config.max_num_batched_tokens
+        return sum(full if w is None else min(full, width * (-(-(w - 1 + chunk) // bs) + 1)) for w in self.kv.windows)
 
     def longest_fit(self, prompt_len: int, width: int, max_tokens: int) -> int:
         """The largest max_tokens (at most ``max_tokens``) whose worst case fits the pool (1

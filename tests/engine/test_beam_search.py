@@ -347,3 +347,27 @@ def test_ids_of_samples_held_back_are_in_use(tiny_llama):
         engine.add_request({"prompt_token_ids": [8, 9]}, SamplingParams(best_of=3, max_tokens=2), "x")
     finished = {o.request_id: o for o in _drain(engine)}
     assert list(finished) == ["x"] and [len(c.token_ids) for c in finished["x"].outputs] == [4, 4]
+
+
+def test_a_search_on_sliding_window_layers_counts_every_kv_group(tmp_path):
+    """Gemma 3 keeps a block table per KV-cache group; the search's size check counted one, so a
+    search the pool could never hold was started and the engine spun forever with nothing to
+    run (an adversarial session). Now it is refused up front, or it fits and finishes."""
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "g3", "gemma3_text", head_dim=16, num_hidden_layers=6, sliding_window=24,
+                           query_pre_attn_scalar=24)  # fmt: skip
+    params = BeamSearchParams(beam_width=4, max_tokens=30, ignore_eos=True)
+
+    def engine(num_blocks: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=num_blocks, block_size=4), log_stats_interval=0)
+
+    probe = engine(400)
+    assert probe.kv_cache_manager.num_groups > 1
+    need = probe.beams.worst_case_blocks(len(PROMPT), 4, 30)
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine(need - 1).add_beam_search({"prompt_token_ids": PROMPT}, params, "b")
+    fits = engine(need)
+    fits.add_beam_search({"prompt_token_ids": PROMPT}, params, "b")
+    (out,) = _drain(fits, max_steps=500)
+    assert [len(c.token_ids) for c in out.outputs] == [30] * 4
