@@ -48,6 +48,10 @@ class SchedulerConnector:
         self.stats = stats
         self._pending: OrderedDict[str, _Lookup] = OrderedDict()
         self._loads: list[RequestLoad] = []
+        # Per running request: the full blocks considered for saving so far. A block that
+        # accepted draft tokens filled is computed before any step's range starts at it, so
+        # ranges start from here (they skipped it, breaking the stored chain).
+        self._saved_blocks: dict[str, int] = {}
 
     def lookup(self, req: Request, num_computed_tokens: int, kv: Any) -> int:
         """Tokens after ``num_computed_tokens`` the store supplies (whole blocks, verified)."""
@@ -101,13 +105,18 @@ class SchedulerConnector:
         self._loads = []
         for req_id in [r for r in self._pending if r not in requests]:
             self._drop(req_id)
+        for req_id in [r for r in self._saved_blocks if r not in requests]:
+            del self._saved_blocks[req_id]
         if self.config.saves:
             bs = self.block_size
             for s in out.scheduled:
                 known_end = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
                 first, end = s.num_computed_tokens // bs, known_end // bs
+                # (min: after a preemption the request computes its blocks again from 0)
+                first = min(self._saved_blocks.get(s.req_id, first), first)
                 if end <= first:
                     continue
+                self._saved_blocks[s.req_id] = end
                 hashes = kv.block_hashes(s.req_id, requests[s.req_id].all_token_ids, known_end, requests[s.req_id].cache_keys)
                 for i in range(first, end):
                     if not self.store.contains(hashes[i]):

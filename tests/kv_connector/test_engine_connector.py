@@ -170,6 +170,9 @@ def test_only_verified_tokens_are_saved(tiny_llama, tmp_path):
         chain.add(parent.hex())
     saved = {p.stem for p in store.rglob("*.kvb")}
     assert saved and saved <= chain
+    # ... and every full block of verified tokens is saved: blocks that accepted drafts filled
+    # were skipped (the next step's range began after them), breaking the stored chain.
+    assert len(saved) == len(tokens[:-1]) // BS  # (the last token's K/V is never computed)
 
 
 def test_two_live_replicas_share_a_directory(tiny_llama, cold, tmp_path):
