@@ -105,6 +105,9 @@ def _parse_json_config(cls: type, value: Any, name: str) -> Any:
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 
 
+MAX_PROMPT_LOOKUP = 64  # longest prompt_lookup_max: a match longer than this predicts no better
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     # None: "draft_model" when ``model`` is given, else "ngram" (vLLM infers it the same way).
@@ -140,6 +143,16 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if self.num_speculative_tokens > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most 16, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_max}")
+        # Settings the method would not use are refused rather than ignored.
+        if self.model is not None and self.method == "ngram":
+            raise ValueError("speculative_config.model is not used by method 'ngram' (prompt lookup needs no model)")
+        if self.model == "":
+            raise ValueError("speculative_config.model must be a path (or left out for the shipped heads)")
+        lookup = {f: getattr(self, f) for f in ("prompt_lookup_min", "prompt_lookup_max")}
+        if self.method != "ngram" and lookup != {"prompt_lookup_min": 2, "prompt_lookup_max": 4}:
+            raise ValueError(f"speculative_config.prompt_lookup_min/max apply only to method 'ngram', not {self.method!r}")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative_config.model (the draft model's path) is required with method 'draft_model'")
         if self.model is not None and not isinstance(self.model, str):

@@ -84,6 +84,13 @@ def test_bad_speculative_config_is_a_value_error(tiny_llama_tok):
         LLM(str(tiny_llama_tok), speculative_config={"method": "medusa-x"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(str(tiny_llama_tok), speculative_config='{"num_speculative_tokens": -1}')
+    # Settings the method would not use are refused, not ignored (they were).
+    for spec, field in [({"method": "ngram", "model": "/nonexistent"}, "speculative_config.model"),
+                        ({"method": "medusa", "model": ""}, "speculative_config.model"),
+                        ({"method": "eagle", "prompt_lookup_min": 3, "prompt_lookup_max": 5}, "prompt_lookup_min/max"),
+                        ({"method": "ngram", "prompt_lookup_max": 2000}, "prompt_lookup_max")]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            LLM(str(tiny_llama_tok), speculative_config=spec)
 
 
 def test_server_streams_drafted_tokens_and_counts_them(tiny_llama_tok):

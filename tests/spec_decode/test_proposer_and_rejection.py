@@ -12,7 +12,7 @@ from pagedllm.config import SpeculativeConfig
 from pagedllm.kernels import ops
 from pagedllm.sampler.sampler import Sampler, SamplingBatch
 from pagedllm.spec_decode.draft_length import MIN_GAIN, VERIFY_COST_PER_TOKEN, DraftCost, best_length, expected_tokens
-from pagedllm.spec_decode.ngram import MAX_CANDIDATES, propose_ngram, propose_ngram_reference
+from pagedllm.spec_decode.ngram import MAX_CANDIDATES, propose_ngram, propose_ngram_places, propose_ngram_reference
 from pagedllm.spec_decode.proposer import Proposer
 
 
@@ -41,9 +41,14 @@ def test_ngram_walk_gives_the_reference_rule_s_drafts():
         n_max = n_min + int(rng.integers(0, 4))
         want = propose_ngram_reference(ids, k, n_min, n_max)
         assert propose_ngram(ids.tolist(), k, n_min, n_max) == want, (ids.tolist(), k, n_min, n_max)
+        assert propose_ngram_places(ids, k, n_min, n_max) == want, (ids.tolist(), k, n_min, n_max)
     # The last token at more than MAX_CANDIDATES earlier places, none followed as at the end.
     ids = [t for i in range(2 * MAX_CANDIDATES) for t in (7, 1000 + i)] + [5, 6, 7]
     assert propose_ngram(ids, 3, 1, 4) == propose_ngram_reference(np.array(ids), 3, 1, 4) == [1000 + 2 * MAX_CANDIDATES - 1, 5, 6]
+    # A long text where the last token is everywhere and n_max is large: the hand-over measured
+    # the whole sequence n_max times per n (seconds a step); now only the token's places.
+    ids = np.random.default_rng(1).integers(0, 3, size=3000)
+    assert propose_ngram(ids.tolist(), 5, 2, 64) == propose_ngram_reference(ids, 5, 2, 64)
 
 
 class _State:
