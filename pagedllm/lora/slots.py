@@ -87,7 +87,11 @@ class LinearSlots:
             self.width[slot] = 0
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[rows of each run] += x[rows] @ a[slot] @ b[slot], in place (y is the base output)."""
+        """y[rows of each run] += x[rows] @ a[slot] @ b[slot], in place (y is the base output).
+
+        Row by row (a batch of one-row products): ``torch.mm`` sums a row in another order once
+        a run has 4 or more rows, so a request's logits depended on how many rows of its adapter
+        shared the step (a verifying step of drafts always has several; docs/determinism.md)."""
         mapping = self.context.mapping
         if mapping is None:
             return
@@ -98,12 +102,14 @@ class LinearSlots:
             xs = x[start:end]
             if xs.dtype is not torch.float32:
                 xs = xs.float()
-            xa = torch.mm(xs, self.a[slot, :, :w])
+            n = end - start
+            a, b = self.a[slot, :, :w], self.b[slot, :w]
+            xa = torch.bmm(xs.unsqueeze(1), a.expand(n, *a.shape))  # [n, 1, w]
             ys = y[start:end]
             if ys.dtype is torch.float32:
-                ys.addmm_(xa, self.b[slot, :w])
+                ys.unsqueeze(1).baddbmm_(xa, b.expand(n, *b.shape))
             else:  # a bf16 model: the delta in fp32, rounded once when added
-                ys.add_(torch.mm(xa, self.b[slot, :w]).to(ys.dtype))
+                ys.add_(torch.bmm(xa, b.expand(n, *b.shape)).squeeze(1).to(ys.dtype))
 
 
 class SlotTable:

@@ -344,3 +344,21 @@ def test_beam_search_runs_with_the_adapter(base, adapters):
     got = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora(adapters, "all8-rslora", 1), use_tqdm=False)
     base_beams = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0, len(prompt):].tolist() != base_beams[0].outputs[0].token_ids
+
+
+def test_an_adapted_request_s_logprobs_do_not_depend_on_its_batch(base, adapters):
+    """Batch invariance with LoRA: the delta's matmul summed in another order once a run of
+    one adapter had 4 or more rows, so logprobs (and seeded samples under speculative
+    decoding, whose verifying steps have several rows) depended on the company."""
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=16, num_kv_blocks=128, log_stats_interval=1e9)
+    a = lora(adapters, "all8-rslora", 1)
+    prompt = {"prompt_token_ids": [5, 9, 33, 71, 100, 3, 8]}
+    others = [{"prompt_token_ids": [(11 * i + j) % 250 + 2 for j in range(5 + i)]} for i in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+
+    def logprobs(batch) -> list:
+        out = llm.generate([prompt, *batch], params, lora_request=a, use_tqdm=False)[0].outputs[0]
+        return [sorted((t, lp.logprob) for t, lp in pos.items()) for pos in out.logprobs]
+
+    alone = logprobs([])
+    assert logprobs(others) == alone and logprobs(others[:3]) == alone
