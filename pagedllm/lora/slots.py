@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kernels import ops
+from pagedllm.kernels.reference import pack_panels
 from pagedllm.lora.adapter import LoRAAdapter, TargetShapes
 
 # Our linears, and the Hugging Face modules (with their column range) each one fuses.
@@ -60,6 +62,8 @@ class LinearSlots:
         self.a = torch.zeros(max_loras, in_features, capacity)
         self.b = torch.zeros(max_loras, capacity, out_features)
         self.width = [0] * max_loras
+        # Per slot, its A and B packed for the native dense GEMM (made at first use).
+        self._panels: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_loras
 
     def load(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Copy the adapter's matrices for this linear into ``slot`` (emptying it first)."""
@@ -78,6 +82,7 @@ class LinearSlots:
             self.b[slot, off : off + r, c0:c1] = b.t() * adapter.scaling
             off += r
         self.width[slot] = off
+        self._panels[slot] = None
 
     def clear(self, slot: int) -> None:
         w = self.width[slot]
@@ -85,16 +90,27 @@ class LinearSlots:
             self.a[slot, :, :w].zero_()
             self.b[slot, :w].zero_()
             self.width[slot] = 0
+        self._panels[slot] = None
+
+    def _slot_panels(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        panels = self._panels[slot]
+        if panels is None:
+            w = self.width[slot]
+            panels = self._panels[slot] = (pack_panels(self.a[slot, :, :w].t()), pack_panels(self.b[slot, :w].t()))
+        return panels
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows of each run] += x[rows] @ a[slot] @ b[slot], in place (y is the base output).
 
-        Row by row (a batch of one-row products): ``torch.mm`` sums a row in another order once
-        a run has 4 or more rows, so a request's logits depended on how many rows of its adapter
-        shared the step (a verifying step of drafts always has several; docs/determinism.md)."""
+        Each row's sums in one fixed order, whatever the number of rows: ``torch.mm`` sums a
+        row in another order once a run has 4 or more rows, so a request's logits depended on
+        how many rows of its adapter shared the step (a verifying step of drafts always has
+        several; docs/determinism.md). The native dense GEMM (k sequential per column) where it
+        runs, else a batch of one-row products."""
         mapping = self.context.mapping
         if mapping is None:
             return
+        native = ops.native_available() and x.is_cpu
         for slot, start, end in mapping.runs:
             w = self.width[slot]
             if not w:
@@ -102,14 +118,17 @@ class LinearSlots:
             xs = x[start:end]
             if xs.dtype is not torch.float32:
                 xs = xs.float()
-            n = end - start
-            a, b = self.a[slot, :, :w], self.b[slot, :w]
-            xa = torch.bmm(xs.unsqueeze(1), a.expand(n, *a.shape))  # [n, 1, w]
             ys = y[start:end]
-            if ys.dtype is torch.float32:
-                ys.unsqueeze(1).baddbmm_(xa, b.expand(n, *b.shape))
-            else:  # a bf16 model: the delta in fp32, rounded once when added
-                ys.add_(torch.bmm(xa, b.expand(n, *b.shape)).squeeze(1).to(ys.dtype))
+            if native:
+                pa, pb = self._slot_panels(slot)
+                delta = ops.panel_linear(ops.panel_linear(xs, pa, w), pb, ys.shape[1])
+            else:
+                n = end - start
+                a, b = self.a[slot, :, :w], self.b[slot, :w]
+                xa = torch.bmm(xs.unsqueeze(1), a.expand(n, *a.shape))  # [n, 1, w]
+                delta = torch.bmm(xa, b.expand(n, *b.shape)).squeeze(1)
+            # (a bf16 model: the delta in fp32, rounded once when added)
+            ys.add_(delta if ys.dtype is torch.float32 else delta.to(ys.dtype))
 
 
 class SlotTable:
