@@ -287,6 +287,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        # ("false" would read as true: prefix caching or LoRA on when asked off)
+        check_bools(self, ("packed_weights", "enable_prefix_caching", "enable_lora"))
         if not is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

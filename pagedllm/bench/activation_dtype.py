@@ -24,6 +24,7 @@ import torch
 
 from pagedllm.bench.common import cpu_name
 from pagedllm.bench.kv_cache_dtype import agreement_stats, greedy_and_perplexity
+from pagedllm.entrypoints.arg_types import result_path
 
 DEFAULT_VARIANTS = "float32,int8,int16,int16/float16,int8-exact:lm_head,int8-exact:mlp.down_proj"
 
@@ -34,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="accuracy part: greedy tokens per parity prompt")
     p.add_argument("--w1-output-len", type=int, default=32)
     p.add_argument("--w1-rounds", type=int, default=2)
-    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 
 def make_llm(engine_kwargs: dict, variant: str):

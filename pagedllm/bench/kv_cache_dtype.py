@@ -30,6 +30,7 @@ import torch
 
 from pagedllm.bench.common import PERPLEXITY_TEXT, cpu_name
 from pagedllm.bench.workloads import parity_prompts
+from pagedllm.entrypoints.arg_types import result_path
 
 DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3"]
 
@@ -42,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-threads", default="", help="attention part: comma-separated thread counts (default: torch's)")
     p.add_argument("--max-tokens", type=int, default=48, help="accuracy part: greedy tokens per parity prompt")
     p.add_argument("--w1-output-len", type=int, default=64)
-    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 
 # ------------------------------------------------------------------------------ attention

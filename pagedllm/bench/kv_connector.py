@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from pagedllm.bench.common import CliProcess, cpu_name, report
+from pagedllm.entrypoints.arg_types import result_path
 
 FACT = ("Policy {i}: support agents answer politely, cite the knowledge base article number, never promise "
         "refunds without a ticket, and escalate outages to the on-call engineer within ten minutes.")  # fmt: skip
@@ -42,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=32, help="pd: output tokens")
     p.add_argument("--num-prompts", type=int, default=8, help="pd: requests")
     p.add_argument("--request-rate", type=float, default=0.05, help="pd: Poisson arrivals, req/s")
-    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 
 def _start(argv: list[str], threads: int | None) -> CliProcess:

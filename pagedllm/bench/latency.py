@@ -23,11 +23,12 @@ from pagedllm.bench.common import (
 )
 from pagedllm.bench.throughput import parallel_line, parallel_stats
 from pagedllm.bench.workloads import TEXT_PROMPTS
+from pagedllm.entrypoints.arg_types import positive_int
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, default="W2")
-    p.add_argument("--num-iters", type=int, default=5, help="timed iterations (after one warm-up)")
+    p.add_argument("--num-iters", type=positive_int, default=5, help="timed iterations (after one warm-up)")
     p.add_argument("--text-prompts", choices=sorted(TEXT_PROMPTS), default=None,
                    help="instead of the workload's token ids: these chat prompts, answers ending at EOS (at most --output-len)")
     p.add_argument("--no-compare-plain", dest="compare_plain", action="store_false",

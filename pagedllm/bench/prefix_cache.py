@@ -11,6 +11,7 @@ import argparse
 import time
 
 from pagedllm.bench.common import report
+from pagedllm.entrypoints.arg_types import positive_int, result_path
 
 _FACT = (
     "Policy {i}: support agents answer politely, cite the knowledge base article number, never promise "
@@ -19,8 +20,8 @@ _FACT = (
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-tokens", type=int, default=2000, help="approximate length of the shared prompt")
-    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    p.add_argument("--system-tokens", type=positive_int, default=2000, help="approximate length of the shared prompt")
+    p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 
 def _ttft(engine, prompt_ids: list[int], request_id: str) -> float:

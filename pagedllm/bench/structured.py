@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pagedllm.entrypoints.arg_types import result_path
+
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {
@@ -145,7 +147,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default=",".join(t.name for t in TASKS), help="validity: comma-separated task names")
     p.add_argument("--output-len", type=int, default=128, help="overhead: tokens per sequence")
     p.add_argument("--num-seqs", type=int, default=64, help="overhead: sequences per run")
-    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 
 def _chat_prompts(llm: Any, texts: list[str]) -> list[dict]:

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from pagedllm.bench.common import PERPLEXITY_TEXT, cpu_name, report
+from pagedllm.entrypoints.arg_types import result_path
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):\n    ",
            "The three laws of thermodynamics are"]  # fmt: skip
@@ -20,7 +21,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="int8,int4", help="comma-separated quantization methods")
     p.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per prompt")
-    p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument("--output", type=result_path, default=None, help="write the results as JSON here")
 
 
 def _prefix_agreement(mine: list[int], ref: list[int]) -> int:

@@ -39,6 +39,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         config = EngineConfig(model=model, **engine_args)
+        self.scheduling_policy = config.scheduling_policy
         # Process-wide settings belong to the entry point, not to the engine.
         configure_logging()
         # The engine is stepped by the calling thread: calls from several threads take turns
@@ -148,8 +149,15 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if self.scheduling_policy != "priority" and any(p != 0 for p in priorities):
+            # (as vLLM and our server: a priority that would change nothing is refused)
+            raise ValueError(f"priority is not supported with the '{self.scheduling_policy}' scheduling policy "
+                             "(start the engine with scheduling_policy='priority')")  # fmt: skip
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompts)
+        elif not isinstance(lora_request, (list, tuple)):
+            raise ValueError("lora_request must be a LoRARequest or a list of them (None for the base model), one per "
+                             f"prompt; got {type(lora_request).__name__}")  # fmt: skip
         else:
             loras = list(lora_request)
             if len(loras) != len(prompts):

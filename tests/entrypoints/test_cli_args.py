@@ -19,6 +19,17 @@ from pagedllm.entrypoints.cli import main
     (["bench", "serve", "--save-result", "/no/such/dir/x.json"], "argument --save-result: cannot write"),
     (["train-draft-head", "--output", "/tmp", "--lr", "-1"], "argument --lr: must be above 0"),
     (["train-draft-head", "--output", __file__], "argument --output: .* is not a directory"),
+    # A sixth adversarial session: accepted, then wrong (nan/negative: SIGTERM aborted at once;
+    # every request got 413) or a traceback after the whole benchmark ran.
+    (["serve", "--graceful-shutdown-timeout", "nan"], "argument --graceful-shutdown-timeout: must be at least 0"),
+    (["serve", "--max-request-body-bytes", "-5"], "argument --max-request-body-bytes: must be at least 1"),
+    (["serve", "--log-stats-interval", "-1"], "argument --log-stats-interval: must be at least 0"),
+    (["bench", "prefix-cache", "--save-result", "/no/such/dir/x.json"], "argument --save-result: cannot write"),
+    (["bench", "structured", "--save-result", "/no/such/dir/x.json"], "argument --save-result: cannot write"),
+    (["bench", "kv-cache-dtype", "--save-result", "/no/such/dir/x.json"], "argument --save-result: cannot write"),
+    (["bench", "weight-quant", "--output", "/no/such/dir/x.json"], "argument --output: cannot write"),
+    (["bench", "latency", "--num-iters", "0"], "argument --num-iters: must be at least 1"),
+    (["bench", "prefix-cache", "--system-tokens", "-5"], "argument --system-tokens: must be at least 1"),
 ])  # fmt: skip
 def test_bad_flag_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -278,6 +278,13 @@ def test_odd_python_inputs_are_value_errors_naming_the_field(tiny_llama_tok):
         (lambda: llm.generate(nested, use_tqdm=False), "prompt\\['prompt'\\] must be a string"),
         (lambda: LLM(str(tiny_llama_tok), seed=10**23), "seed must be a 64-bit integer"),
         (lambda: BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=1e308), "length_penalty"),
+        # A sixth adversarial session: "false" turned prefix caching on; a priority under fcfs
+        # was ignored; a string lora_request was counted as a list of characters.
+        (lambda: LLM(str(tiny_llama_tok), enable_prefix_caching="false"), "enable_prefix_caching must be true or false"),
+        (lambda: LLM(str(tiny_llama_tok), enable_lora="false"), "enable_lora must be true or false"),
+        (lambda: llm.generate(["a"], priority=[5], use_tqdm=False), "priority is not supported with the 'fcfs'"),
+        (lambda: llm.generate(["a"], lora_request="sql-adapter", use_tqdm=False), "lora_request must be a LoRARequest"),
+        (lambda: llm.generate(["a"], lora_request=5, use_tqdm=False), "lora_request must be a LoRARequest"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):

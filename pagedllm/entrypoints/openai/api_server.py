@@ -28,7 +28,7 @@ from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from pagedllm.entrypoints.arg_types import tcp_port
+from pagedllm.entrypoints.arg_types import non_negative_float, positive_int, tcp_port
 from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -368,14 +368,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics (or set PAGEDLLM_API_KEY)")
     g.add_argument("--guard-metrics", action="store_true", help="with an API key, /metrics needs it too")
     g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse new requests with 503 + Retry-After while this many wait to be scheduled (default: max(1024, 8 x --max-num-seqs); 0 = no limit)")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger request bodies get 413 (default: %(default)s = 16 MiB)")
+    g.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger request bodies get 413 (default: %(default)s = 16 MiB)")
     g.add_argument("--trust-request-chat-template", action="store_true", help="let requests bring their own chat_template (it is code run by the server; off by default)")
-    g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted; a second signal exits at once (default: %(default)s)")
+    g.add_argument("--graceful-shutdown-timeout", type=non_negative_float, default=10.0, help="seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted; a second signal exits at once (default: %(default)s)")
     g.add_argument("--enable-auto-tool-choice", action="store_true", help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="how to find tool calls in the model's text for tool_choice auto")
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="LoRA adapters (PEFT directories) served under these names, selected by a request's model field; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'; needs --enable-lora. With PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1, POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
     g.add_argument("--headless", action="store_true", help="multi-node: run only this node's workers (ranks node_rank x world/nnodes onwards), which connect to the engine on --master-addr; no HTTP server (docs/parallelism.md)")
-    g.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats log lines (default: %(default)s)")
+    g.add_argument("--log-stats-interval", type=non_negative_float, default=5.0, help="seconds between stats log lines (default: %(default)s)")
 
 
 def default_max_waiting_requests(max_num_seqs: int) -> int:
