@@ -131,6 +131,7 @@ class CapacityReport:
     dtype: str
     weights: WeightMemory
     kv: KVCapacity
+    replicas: int = 1  # data parallelism: each replica holds its own weights and KV pool
 
     def to_dict(self) -> dict:
         """Plain numbers (``pagedllm estimate --json``)."""
@@ -145,6 +146,9 @@ class CapacityReport:
                 "blocks_per_request": kv.blocks_per_request(kv.context_len), "max_concurrency": kv.max_concurrency,
                 "longest_context": kv.longest_context, "max_model_len": kv.max_model_len,
             },
+            "data_parallel_size": self.replicas,
+            "total_bytes_all_replicas": self.replicas * (w.total + kv.pool_bytes),
+            "max_concurrency_all_replicas": self.replicas * kv.max_concurrency,
         }  # fmt: skip
 
     def lines(self) -> list[str]:
@@ -163,7 +167,11 @@ class CapacityReport:
             f"max concurrent requests at {kv.context_len} tokens each: {kv.max_concurrency} "
             f"({kv.blocks_per_request(kv.context_len)} blocks per request)",
             f"longest context: {kv.longest_context} tokens (limited by {limit})",
-        ]
+        ] + ([
+            f"data parallel: {self.replicas} replicas, each with the weights and KV pool above: "
+            f"{self.replicas * (w.total + kv.pool_bytes) / GIB:.3f} GiB in all, "
+            f"{self.replicas * kv.max_concurrency} concurrent requests at {kv.context_len} tokens"
+        ] if self.replicas > 1 else [])  # fmt: skip
 
 
 # ------------------------------------------------------------------------- reading headers
@@ -405,7 +413,8 @@ def estimate(config: EngineConfig, context_len: int | None = None, native: bool 
         native = native_available()
     weights = estimate_weights(config, arch, tensors, max_model_len, native=native)
     kv = kv_capacity(config, arch, max_model_len, context_len)
-    return CapacityReport(str(source.path), arch.architecture, str(config.torch_dtype).removeprefix("torch."), weights, kv)
+    return CapacityReport(str(source.path), arch.architecture, str(config.torch_dtype).removeprefix("torch."), weights, kv,
+                          replicas=config.data_parallel_size)
 
 
 def startup_report(config: EngineConfig, source: ModelSource, max_model_len: int, dense: bool, native: bool) -> CapacityReport:

@@ -97,6 +97,13 @@ def test_estimate_cli_json(tiny_llama, capsys):
     assert kv["num_blocks"] == 100 and kv["num_tokens"] == 1600
     assert kv["blocks_per_request"] == 19 and kv["max_concurrency"] == 100 // 19
     assert kv["longest_context"] == 512
+    assert out["data_parallel_size"] == 1
+    # Data parallel replicas each hold the weights and the pool (the flag was ignored).
+    assert main(["estimate", "--model", str(tiny_llama), "--num-kv-blocks", "100", "--block-size", "16",
+                 "--max-model-len", "512", "--context-len", "300", "--json", "--data-parallel-size", "3"]) == 0  # fmt: skip
+    dp = json.loads(capsys.readouterr().out)
+    assert dp["max_concurrency_all_replicas"] == 3 * kv["max_concurrency"]
+    assert dp["total_bytes_all_replicas"] == 3 * (out["weights"]["total_bytes"] + kv["pool_bytes"])
 
 
 def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
