@@ -150,8 +150,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model is not used by method 'ngram' (prompt lookup needs no model)")
         if self.model == "":
             raise ValueError("speculative_config.model must be a path (or left out for the shipped heads)")
-        lookup = {f: getattr(self, f) for f in ("prompt_lookup_min", "prompt_lookup_max")}
-        if self.method != "ngram" and lookup != {"prompt_lookup_min": 2, "prompt_lookup_max": 4}:
+        lookup = ("prompt_lookup_min", "prompt_lookup_max")
+        if self.method != "ngram" and any(getattr(self, f) != self.__dataclass_fields__[f].default for f in lookup):
             raise ValueError(f"speculative_config.prompt_lookup_min/max apply only to method 'ngram', not {self.method!r}")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative_config.model (the draft model's path) is required with method 'draft_model'")

@@ -19,6 +19,7 @@ from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
 from pagedllm.threads import configure_threads
 from pagedllm.outputs import RequestOutput
+from pagedllm.scheduler.policy import check_priority
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -149,10 +150,8 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        if self.scheduling_policy != "priority" and any(p != 0 for p in priorities):
-            # (as vLLM and our server: a priority that would change nothing is refused)
-            raise ValueError(f"priority is not supported with the '{self.scheduling_policy}' scheduling policy "
-                             "(start the engine with scheduling_policy='priority')")  # fmt: skip
+        for p in priorities:
+            check_priority(p, self.scheduling_policy)
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompts)
         elif not isinstance(lora_request, (list, tuple)):

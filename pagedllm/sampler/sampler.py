@@ -21,7 +21,7 @@ token from the same uniform.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -45,8 +45,7 @@ class SamplingBatch:
     repetition: list[float] = field(default_factory=list)
     output_ids: list[list[int]] = field(default_factory=list)
     prompt_ids: list[list[int]] = field(default_factory=list)
-    # (row, token ids, biases): ints and floats, or 1-D tensors of them.
-    logit_bias: list[tuple[int, Any, Any]] = field(default_factory=list)
+    logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (row, token ids, biases)
     allowed: list[tuple[int, Sequence[int] | torch.Tensor]] = field(default_factory=list)  # (row, allowed token ids)
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, banned token ids)
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None = not requested
@@ -244,9 +243,8 @@ class Sampler:
             for row, ids in batch.allowed:
                 if row in banned_rows and bool(torch.isneginf(logits[row]).all()):
                     logits[row] = _keep_only(raw[row], ids)
-        for row, toks, biases in batch.logit_bias:
-            ids = torch.as_tensor(toks, dtype=torch.int64).reshape(-1).to(logits.device)
-            logits[row].index_add_(0, ids, torch.as_tensor(biases, dtype=logits.dtype).reshape(-1).to(logits.device))
+        for row, ids, biases in batch.logit_bias:
+            logits[row].index_add_(0, ids.to(logits.device), biases.to(logits.device, logits.dtype))
         if batch.penalty_rows:
             apply_penalties(logits, batch)
         if batch.bitmask_rows:

@@ -76,6 +76,14 @@ def pick_victim(running: list[Request], policy: str) -> Request:
     return max(running, key=_key)
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """A non-zero priority only means something under the priority policy: refused otherwise
+    (as vLLM), rather than silently ignored."""
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority is not supported with the '{policy}' scheduling policy (start the engine with "
+                         "scheduling_policy='priority', or the server with --scheduling-policy priority)")  # fmt: skip
+
+
 def outranks(waiting: Request, running: Request) -> bool:
     """Under the priority policy, may ``waiting`` preempt ``running`` to get in?"""
     return _key(waiting) < _key(running)

@@ -147,7 +147,7 @@ def test_logit_bias_allowed_and_banned_tokens():
         temperatures=torch.zeros(3),
         generators=[None] * 3,
         num_logprobs=[None] * 3,
-        logit_bias=[(0, 6, 100.0)],
+        logit_bias=[(0, torch.tensor([6]), torch.tensor([100.0]))],
         allowed=[(1, [4, 5])],
         banned=[(2, [0, 1])],
     )

@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.tools import ToolChoice, resolve_tool_choice
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler.policy import check_priority
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -184,11 +185,6 @@ class OpenAIServing:
         self._next_lora_id += 1
         return req
 
-    def _check_priority(self, priority: int) -> None:
-        if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(f"priority is not supported with the '{self.scheduling_policy}' scheduling policy "
-                             "(start the server with --scheduling-policy priority)")
-
     async def render_chat(self, messages: Any, chat_template: str | None = None,
                           chat_template_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[int]:
         """Render and tokenize a conversation in the worker pool (never on the event loop).
@@ -213,7 +209,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ completions
     async def completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         req.check_supported()
-        self._check_priority(req.priority)
+        check_priority(req.priority, self.scheduling_policy)
         params = req.to_sampling_params()
         prompts = req.prompts()
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
@@ -345,7 +341,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat")
         req.check_supported()
-        self._check_priority(req.priority)
+        check_priority(req.priority, self.scheduling_policy)
         tools = resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser is not None)
         prompt_ids = await self.render_chat(
             req.messages,
