@@ -6,21 +6,29 @@ a broken character and the pieces concatenate to the final text. Stop strings ar
 in the accumulated text, so they are found across token boundaries; while stop strings are
 set, the last ``len(longest stop) - 1`` characters are held back from streaming until it is
 clear they do not start a stop string.
+
+The stream is primed with the end of the prompt, so the first generated token decodes as a
+continuation (a SentencePiece decoder strips the leading space of a text's first token: "Paris"
+after "is" must read " Paris", as in vLLM).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from pagedllm.sampling_params import SamplingParams
 
+# Priming reads the shortest prompt suffix of at least PRIME_MIN tokens (at most PRIME_MAX) that
+# decodes to whole characters: enough context for the decoder, never a cut character.
+PRIME_MIN, PRIME_MAX = 4, 24
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, params: SamplingParams, eos_token_ids: frozenset[int] = frozenset()):
-        from tokenizers.decoders import DecodeStream
-
+    def __init__(self, tokenizer: Any, params: SamplingParams, eos_token_ids: frozenset[int] = frozenset(),
+                 prompt_token_ids: Sequence[int] = ()):  # fmt: skip
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._skip_special = params.skip_special_tokens
+        self._stream = self._new_stream()
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._hold_back = max(0, params.max_stop_len - 1)
@@ -34,6 +42,36 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self._num_tokens = 0
         self.tokens_after_stop = 0  # of the last update's tokens, those after the one a stop string ended in
+        self._prime(list(prompt_token_ids))
+
+    def _new_stream(self) -> Any:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=self._skip_special)
+
+    def _prime(self, prompt: list[int]) -> None:
+        """Feed the stream the prompt's last tokens (their text is not output)."""
+        if not prompt:
+            return
+        for n in range(min(PRIME_MIN, len(prompt)), min(PRIME_MAX, len(prompt)) + 1):
+            suffix = prompt[-n:]
+            if "\ufffd" not in self._backend.decode(suffix, skip_special_tokens=self._skip_special):
+                for token_id in suffix:
+                    self._step(token_id)
+                return
+        # no clean suffix (a prompt of broken characters): decode the output on its own
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self._stream.step(self._backend, token_id)
+        except Exception as e:
+            # A byte-fallback decoder turns a run of byte tokens that is not UTF-8 into one U+FFFD
+            # per byte, text already read included; the stream cannot go on from there ("Invalid
+            # prefix encountered"). Start a fresh stream at this token: what was shown stays.
+            if "invalid prefix" not in str(e).lower():
+                raise
+            self._stream = self._new_stream()
+            return self._stream.step(self._backend, token_id)
 
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string that ended the text, if one appeared."""
@@ -41,7 +79,7 @@ class IncrementalDetokenizer:
             self._num_tokens += 1
             if token_id in self._stop_ids and self._num_tokens > self._min_tokens:
                 return None  # the request ends here (Request.check_stop)
-            piece = self._stream.step(self._backend, token_id)
+            piece = self._step(token_id)
             if not piece:
                 continue
             start = max(0, len(self.text) - self._hold_back)
@@ -65,6 +103,10 @@ class IncrementalDetokenizer:
         idx, stop = best
         self.text = self.text[: idx + len(stop)] if self._include_stop else self.text[:idx]
         return stop
+
+    def visible_text(self, finished: bool) -> str:
+        """All text so far, minus what might still turn out to be a stop string."""
+        return self.text if finished else self.text[: max(0, len(self.text) - self._hold_back)]
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out, minus what might still turn out to be a stop string."""

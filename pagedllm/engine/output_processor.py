@@ -63,7 +63,8 @@ class OutputProcessor:
             request_id=first.parent_id,
             kind=kind,
             samples=[
-                _Sample(r, IncrementalDetokenizer(self.tokenizer, r.sampling_params, r.eos_token_ids) if detok else None)
+                _Sample(r, IncrementalDetokenizer(self.tokenizer, r.sampling_params, r.eos_token_ids,
+                                                  r.prompt_token_ids) if detok else None)  # fmt: skip
                 for r in samples
             ],
         )
@@ -148,9 +149,11 @@ class OutputProcessor:
                 continue  # nothing new after a sample's last output
             start = sample.sent_tokens if delta else 0
             ended = req.status.finished
+            if delta and not ended and len(req.output_token_ids) == start:
+                continue  # this sample has nothing new (another one of the n moved, or it was preempted)
             text = ""
             if sample.detokenizer is not None:
-                text = sample.detokenizer.take_delta(ended) if delta else sample.detokenizer.text
+                text = sample.detokenizer.take_delta(ended) if delta else sample.detokenizer.visible_text(ended)
             params = req.sampling_params
             completions.append(
                 CompletionOutput(
@@ -158,7 +161,7 @@ class OutputProcessor:
                     text=text,
                     token_ids=req.output_token_ids[start:],
                     cumulative_logprob=req.cumulative_logprob if params.logprobs is not None else None,
-                    logprobs=[self._entry(req.output_token_ids[start + j], lp) for j, lp in enumerate(req.logprobs[start:])]
+                    logprobs=[self._entry(req.output_token_ids[start + j], lp, params.detokenize) for j, lp in enumerate(req.logprobs[start:])]
                     if params.logprobs is not None
                     else None,
                     finish_reason=req.finish_reason,
@@ -171,7 +174,8 @@ class OutputProcessor:
         prompt_logprobs = None
         if first.sampling_params.prompt_logprobs is not None and not (delta and parent.sent_prompt_logprobs):
             ids = first.prompt_token_ids
-            prompt_logprobs = [None] + [self._entry(ids[j + 1], lp) for j, lp in enumerate(first.prompt_logprobs)]
+            detokenize = first.sampling_params.detokenize
+            prompt_logprobs = [None] + [self._entry(ids[j + 1], lp, detokenize) for j, lp in enumerate(first.prompt_logprobs)]
             parent.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=parent.request_id,
@@ -192,8 +196,9 @@ class OutputProcessor:
             ),
         )
 
-    def _entry(self, token_id: int, lp: RowLogprobs) -> PositionLogprobs:
-        decode = self._decode_one if self.tokenizer is not None else (lambda _t: None)
+    def _entry(self, token_id: int, lp: RowLogprobs, detokenize: bool = True) -> PositionLogprobs:
+        """``detokenize=False``: no text (decoded_token None), as vLLM."""
+        decode = self._decode_one if self.tokenizer is not None and detokenize else (lambda _t: None)
         entry: PositionLogprobs = {token_id: Logprob(lp.token_logprob, lp.token_rank, decode(token_id))}
         for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
             if tid not in entry:

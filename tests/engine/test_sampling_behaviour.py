@@ -88,6 +88,26 @@ def test_detokenize_false_gives_tokens_without_text(llm):
     ref = greedy_reference(llm)
     out = gen(llm, "Hello, my name is", temperature=0, max_tokens=24, ignore_eos=True, detokenize=False).outputs[0]
     assert out.token_ids == ref.token_ids and out.text == ""
+    # nor text in log-probability entries (decoded_token None, as vLLM)
+    out = gen(llm, "Hello, my name is", temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1, detokenize=False)
+    entries = [e for pos in out.outputs[0].logprobs for e in pos.values()]
+    entries += [e for pos in out.prompt_logprobs[1:] for e in pos.values()]
+    assert len(entries) >= 8 and all(e.decoded_token is None for e in entries)
+
+
+def test_cumulative_outputs_never_show_text_a_stop_string_takes_back(llm):
+    from pagedllm.engine.output_processor import RequestOutputKind
+
+    ref = greedy_reference(llm)
+    stop = ref.text[len(ref.text) // 3 : len(ref.text) // 3 + 8]
+    engine = llm.llm_engine
+    rid = engine.add_request("Hello, my name is", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                             output_kind=RequestOutputKind.CUMULATIVE)  # fmt: skip
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step() if o.request_id == rid]
+    assert texts[-1] == ref.text[: ref.text.find(stop)] and len(texts) > 3
+    assert all(texts[-1].startswith(t) for t in texts)
 
 
 def test_logit_bias_forces_a_token(llm):

@@ -336,3 +336,22 @@ def test_without_max_tokens_a_request_runs_to_the_longest_context_the_pool_holds
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).to_sampling_params().max_tokens is None
+
+
+def test_streamed_samples_report_only_when_they_move(tiny_llama):
+    """A delta output holds the samples with something new (found by an adversarial session,
+    2026-11-27: a stream of n samples in a tight pool sent 58 of 99 chunks empty)."""
+    from pagedllm.engine.output_processor import RequestOutputKind
+
+    tight = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=8, log_stats_interval=1e9)
+    engine = tight.llm_engine
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    engine.add_request(tok(list(range(3, 30))), params, request_id="r", output_kind=RequestOutputKind.DELTA)
+    tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                assert c.token_ids or c.finish_reason, "an empty delta"
+                tokens[c.index] += c.token_ids
+    assert engine.num_preemptions_total > 0
+    assert all(len(t) == 24 for t in tokens.values())
