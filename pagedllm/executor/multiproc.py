@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -25,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
-from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp
 
@@ -218,8 +218,11 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ steps
     def _broadcast(self, msg: tuple, ranks: range | None = None) -> None:
-        """One pickle of ``msg`` for every rank (``Connection.recv`` unpickles it)."""
-        data = bytes(ForkingPickler.dumps(msg))
+        """One pickle of ``msg`` for every rank (``Connection.recv`` unpickles it). A plain
+        pickle: tensors go by value. (``Connection.send``'s ForkingPickler would share a CPU
+        tensor's storage through a handle that only one process can open - the step's grammar
+        bitmask killed the second rank - and that no other node can open at all.)"""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for r in ranks if ranks is not None else range(self.world):
             self._send(r, data)
 

@@ -54,6 +54,7 @@ class StructuredOutputManager:
         self._held: dict[str, _Held] = {}  # parent request id -> samples waiting for the grammar
         self._matchers: dict[str, Any] = {}  # request id -> its GrammarMatcher
         self._json: set[str] = set()  # request ids under a JSON constraint (json, json_object)
+        self._owners: dict[str, Request] = {}  # request id -> the request its matcher is for
         self.num_compiled = 0
 
     # ------------------------------------------------------------------ before queueing
@@ -125,6 +126,7 @@ class StructuredOutputManager:
             is_json = held.samples[0].sampling_params.structured_outputs.kind in ("json", "json_object")
             for req in held.samples:
                 self._matchers[req.request_id] = backend.matcher(compiled)
+                self._owners[req.request_id] = req
                 if is_json:
                     self._json.add(req.request_id)
             self.num_compiled += 1
@@ -166,9 +168,14 @@ class StructuredOutputManager:
         return bool(matcher.is_terminated())
 
     def forget(self, req_ids: set[str] | list[str]) -> None:
-        """Drop the matchers of ended requests."""
+        """Drop the matchers of ended requests. An id whose matcher belongs to a live request
+        was reused: the ended request's step reports it after the new one was admitted."""
         for req_id in req_ids:
+            owner = self._owners.get(req_id)
+            if owner is not None and not owner.status.finished:
+                continue
             self._matchers.pop(req_id, None)
+            self._owners.pop(req_id, None)
             self._json.discard(req_id)
 
     def shutdown(self) -> None:

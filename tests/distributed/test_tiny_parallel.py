@@ -263,3 +263,22 @@ def test_tensor_and_pipeline_parallel_together(uneven_gqa):
         assert _greedy(llm, prompts) == ref
     finally:
         llm.llm_engine.close()
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_structured_outputs_over_workers(tiny_llama_tok, tp, pp):
+    """Found by an adversarial session (2026-11-27, seventh): the step's grammar bitmask (a
+    tensor) went to the ranks as a one-time shared-memory handle; the second rank could not
+    open it and the engine died on the first guided request."""
+    from pagedllm import StructuredOutputsParams
+
+    guided = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=so) for so in (
+        StructuredOutputsParams(choice=["yes", "no", "maybe"]), StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"))]
+    prompts = ["Is the sky blue?", "A code:"]
+    ref = [o.outputs[0].text for o in LLM(str(tiny_llama_tok), **ENGINE).generate(prompts, guided, use_tqdm=False)]
+    llm = LLM(str(tiny_llama_tok), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        got = [o.outputs[0].text for o in llm.generate(prompts, guided, use_tqdm=False)]
+        assert got == ref and ref[0] in ("yes", "no", "maybe") and len(ref[1]) == 6
+    finally:
+        llm.llm_engine.close()

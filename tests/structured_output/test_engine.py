@@ -253,3 +253,19 @@ def test_a_constraint_that_admits_no_output_fails_when_compiled(llm):
     assert bad.rejected and not good.rejected  # the request's own fault: servers answer 400
     assert bad.outputs[0].token_ids == []
     assert good.outputs[0].finish_reason == "length" and good.outputs[0].text.isalpha()
+
+
+def test_a_request_id_used_again_keeps_its_constraint(llm):
+    """Found by an adversarial session (2026-11-27, seventh): a guided request added under the
+    id of one that had just ended lost its matcher (the ended request's step reported the id as
+    finished after the new one was admitted) and ran unconstrained."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    texts = []
+    for _ in range(3):
+        engine.add_request("Is the sky blue?", params, request_id="same-id")
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == "same-id" and o.finished]
+        texts.append(outs[-1].outputs[0].text)
+    assert texts[0] in ("yes", "no") and texts == [texts[0]] * 3
