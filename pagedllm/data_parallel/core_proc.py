@@ -31,7 +31,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.data_parallel.cpu_share import CpuShare
-from pagedllm.engine.errors import EngineOverloadedError
+from pagedllm.engine.errors import check_queue_room
 from pagedllm.engine.input_processor import ProcessedRequest
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.engine.stats import StepStats
@@ -139,12 +139,7 @@ class EngineCore:
     def add_all(self, items: list[tuple[str, ProcessedRequest]], max_waiting: int | None,
                 output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> None:  # fmt: skip
         """Add every item or none (a failure withdraws the ones already added)."""
-        waiting = len(self.engine.scheduler.waiting)
-        if max_waiting is not None and waiting + len(items) > max_waiting:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {waiting} requests are waiting in this replica "
-                f"(max_waiting_requests={max_waiting}); retry later"
-            )
+        check_queue_room(len(self.engine.scheduler.waiting), len(items), max_waiting, " in this replica")
         added: list[str] = []
         try:
             for request_id, processed in items:

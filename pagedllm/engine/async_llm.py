@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, check_queue_room
 from pagedllm.engine.input_processor import ProcessedRequest, PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import RequestOutputKind
@@ -343,12 +343,7 @@ class AsyncLLM(RequestStreams):
 
     def _add_all(self, items: list[tuple[str, ProcessedRequest, _Stream]]) -> None:
         """Add every item or none (a failure withdraws the ones already added)."""
-        cap = self.max_waiting_requests
-        if cap is not None and self.num_waiting() + len(items) > cap:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {self.num_waiting()} requests are waiting "
-                f"(max_waiting_requests={cap}); retry later"
-            )
+        check_queue_room(self.num_waiting(), len(items), self.max_waiting_requests)
         added: list[str] = []
         try:
             for request_id, processed, stream in items:

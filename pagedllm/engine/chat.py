@@ -61,9 +61,11 @@ def render_chat(
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
     max_model_len: int | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Token ids of the rendered conversation (special tokens come from the template only);
-    a ValueError if it has ``max_model_len`` tokens or more.
+    """Token ids of the rendered conversation (special tokens come from the template only,
+    unless ``add_special_tokens``: then the tokenizer's too, as vLLM's request field); a
+    ValueError if it has ``max_model_len`` tokens or more.
 
     ``tools`` (OpenAI function tools) go to the template; a template that never mentions
     tools (the default model's) gets them described in the system message instead.
@@ -98,8 +100,8 @@ def render_chat(
         raise ValueError(f"could not apply the chat template: {e}") from e
     text = require_text(text, "messages")
     if max_model_len is None:
-        return tokenizer.encode(text, add_special_tokens=False)
-    return encode_within(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return encode_within(tokenizer, text, max_model_len, "messages", add_special_tokens=add_special_tokens)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

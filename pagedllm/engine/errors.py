@@ -12,3 +12,19 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (``max_waiting_requests``); the client should retry later (503)."""
+
+
+def check_queue_room(waiting: int, adding: int, cap: int | None, where: str = "") -> None:
+    """Room for ``adding`` requests in a queue of at most ``cap`` waiting ones (None: no cap).
+
+    More than ``cap`` at once is the request's fault (a ValueError: retrying never helps);
+    more than the room left now is overload (the client may retry).
+    """
+    if cap is None:
+        return
+    if adding > cap:
+        raise ValueError(f"prompt has {adding} prompts; the server queues at most {cap} (max_waiting_requests)")
+    if waiting + adding > cap:
+        raise EngineOverloadedError(
+            f"the server is overloaded: {waiting} requests are waiting{where} (max_waiting_requests={cap}); retry later"
+        )

@@ -88,6 +88,8 @@ def test_work_spreads_and_metrics_add_up(server):
         assert state["engine"] == engine and state["data_parallel_size"] == 2
         assert state["num_cached_blocks"] > 0, f"replica {engine} served nothing"
     assert httpx.get(f"{server.url}/v1/kv_cache/state", params={"engine": 2}, timeout=10).status_code == 400
+    bad = httpx.get(f"{server.url}/v1/kv_cache/state", params={"engine": "abc"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "engine"  # (was "query")
 
 
 def test_bad_input_is_a_400_before_routing(server):

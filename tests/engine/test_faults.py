@@ -10,7 +10,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, check_queue_room
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.sampling_params import INT64_MAX, StructuredOutputsParams
 
@@ -104,13 +104,24 @@ def test_async_engine_death_fails_pending_and_new_requests(tiny_llama, monkeypat
         llm.shutdown()
 
 
+def test_queue_room_tells_overload_from_a_request_that_never_fits():
+    check_queue_room(waiting=0, adding=2, cap=2)
+    check_queue_room(waiting=10**6, adding=5, cap=None)
+    with pytest.raises(EngineOverloadedError, match="retry later"):
+        check_queue_room(waiting=1, adding=2, cap=2)
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        check_queue_room(waiting=0, adding=3, cap=2)
+
+
 def test_waiting_cap_refuses_a_whole_batch(tiny_llama):
     llm = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64), log_stats_interval=1e9,
                    max_waiting_requests=2)  # fmt: skip
 
     async def scenario() -> None:
         params = SamplingParams(max_tokens=2)
-        with pytest.raises(EngineOverloadedError):
+        # More prompts than the queue ever holds: the request's fault (400), not overload (503:
+        # "retry later" would never succeed).
+        with pytest.raises(ValueError, match="max_waiting_requests"):
             await llm.add_requests([{"prompt_token_ids": [5]}] * 3, params, ["a", "b", "c"])
         streams = await llm.add_requests([{"prompt_token_ids": [5]}] * 2, params, ["d", "e"])
         for s in streams:

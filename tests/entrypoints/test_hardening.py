@@ -119,6 +119,13 @@ def hostile_requests(model: str) -> list[tuple[str, str, dict | bytes, set[int],
          "stream_options.continuous_usage_stats"),
         ("priority under fcfs", c, {**base, "priority": 5}, {400}, "priority"),
         ("detokenize huge id", "/detokenize", {"tokens": [10**20]}, {400}, None),
+        ("detokenize id outside the vocabulary", "/detokenize", {"tokens": [-1]}, {400}, "tokens"),
+        # Found by an adversarial session (2026-11-27, seventh): /tokenize had no bound; four
+        # 15 MB texts held the tokenizer workers (shared with completions) for ~50 s.
+        ("a 12 MB text to /tokenize", "/tokenize", {"prompt": "word " * 2_500_000}, {400}, "prompt"),
+        ("a 12 MB chat to /tokenize", "/tokenize", {"messages": [{"role": "user", "content": "word " * 2_500_000}]}, {400},
+         "messages"),
+        ("a text over max_model_len to /tokenize", "/tokenize", {"prompt": "word " * 600}, {400}, "prompt"),
         ("fault in the model step", c, {**base, "prompt": [5, FAULT_TOKEN, 6], "max_tokens": 8}, {500}, None),
     ]  # fmt: skip
 

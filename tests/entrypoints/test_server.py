@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import signal
 import time
@@ -404,3 +405,52 @@ def test_cache_salt_keeps_prefix_caches_apart(server, client, model):
     hit = [client.chat.completions.create(model=model, messages=chat, max_tokens=1, extra_body={"cache_salt": "c"})
            .usage.prompt_tokens_details for _ in range(2)]  # fmt: skip
     assert (hit[0].cached_tokens or 0) == 0 and hit[1].cached_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory, default_tokenizer):
+    """A tiny model whose tokenizer adds a BOS to every text it encodes (as Llama's and Gemma's)."""
+    from tokenizers import processors
+
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-llama-bos"), vocab_size=49152, seed=3)
+    tok = copy.deepcopy(default_tokenizer)
+    bos = tok.bos_token
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.bos_token_id)])  # fmt: skip
+    tok.save_pretrained(str(path))
+    srv = ServerProcess(["--model", str(path), *ENGINE_ARGS])
+    yield srv, str(path)
+    assert srv.stop() == 0
+
+
+def test_add_special_tokens_is_honoured(bos_server):
+    """vLLM's request field (it was ignored: a text prompt always got the tokenizer's BOS)."""
+    srv, model = bos_server
+    prompt = "Hello there, how are you"
+    counted = {flag: httpx.post(f"{srv.url}/tokenize", json={"prompt": prompt, "add_special_tokens": flag}).json()["count"]
+               for flag in (True, False)}  # fmt: skip
+    assert counted[True] == counted[False] + 1
+
+    def used(path: str, body: dict) -> int:
+        resp = httpx.post(f"{srv.url}/v1/{path}", json={"model": model, "max_tokens": 1, **body}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens"]
+
+    assert used("completions", {"prompt": prompt}) == counted[True]  # the default: True
+    assert used("completions", {"prompt": prompt, "add_special_tokens": False}) == counted[False]
+    echoed = httpx.post(f"{srv.url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "echo": True,
+                                                           "add_special_tokens": False}).json()["choices"][0]["text"]  # fmt: skip
+    assert echoed.startswith(prompt)
+    messages = [{"role": "user", "content": prompt}]
+    assert used("chat/completions", {"messages": messages, "add_special_tokens": True}) == \
+        used("chat/completions", {"messages": messages}) + 1  # the default for chat: False (the template has its own)
+
+
+def test_chat_echo_joins_text_parts_as_the_prompt_does(client, model):
+    parts = [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two"}]
+    messages = [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": parts}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, extra_body=extra)
+    assert out.choices[0].message.content.startswith("Part one.\nPart two")

@@ -25,6 +25,7 @@ from pagedllm.version import __version__
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.threads import single_thread
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedllm.engine.input_processor import encode_within
 from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -200,7 +201,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                 return error_response(400, "the request body must be a JSON object", "BadRequestError")
             msg = msg.removeprefix("Value error, ")
             return error_response(400, msg, "BadRequestError", param_of(msg))
-        return error_response(400, f"{'.'.join(loc)}: {msg}", "BadRequestError", loc[0])
+        named = [x for x in loc if x not in ("query", "path", "header")]  # "query.engine": param "engine"
+        return error_response(400, f"{'.'.join(loc)}: {msg}", "BadRequestError", (named or loc)[0])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -328,14 +330,23 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         tok = llm.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer")
+        # Bounded as the generation routes are (a text far over max_model_len is refused from its
+        # head): the tokenizer workers are shared with every completion and chat request.
+        limit = serving.max_model_len
         if req.messages is not None:
             tools = check_tools(req.tools) if req.tools is not None else None
             ids = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                            continue_final_message=req.continue_final_message, tools=tools)  # fmt: skip
+                                            continue_final_message=req.continue_final_message, tools=tools,
+                                            max_model_len=limit)  # fmt: skip
+            what = "messages"
         elif req.prompt is not None:
-            ids = await llm.run_in_worker(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await llm.run_in_worker(encode_within, tok, req.prompt, limit, "prompt",
+                                          add_special_tokens=req.add_special_tokens)  # fmt: skip
+            what = "prompt"
         else:
             raise ValueError("prompt or messages is required")
+        if len(ids) > serving.max_model_len:
+            raise ValueError(f"{what} has {len(ids)} tokens, more than max_model_len ({serving.max_model_len})")
         body: dict[str, Any] = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = tok.convert_ids_to_tokens(ids)

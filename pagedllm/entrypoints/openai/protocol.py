@@ -253,6 +253,7 @@ class CompletionRequest(_SamplingFields):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
 
     _supported = frozenset({"use_beam_search", "length_penalty", "best_of"})
 
@@ -296,6 +297,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
     # vLLM's: the reply starts with the last message's content when that message has the
     # reply's role (an assistant message being continued).
     echo: bool = False
@@ -309,8 +311,8 @@ class ChatCompletionRequest(_SamplingFields):
         if last.get("role") != role:
             return ""
         content = last.get("content")
-        if isinstance(content, list):
-            return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):  # (joined as the prompt joins them: normalize_messages)
+            return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         return content if isinstance(content, str) else ""
 
     def to_sampling_params(self) -> SamplingParams:
@@ -363,6 +365,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(UNSUPPORTED_FIELDS) | {
     "stop_token_ids", "allowed_token_ids", "logit_bias", "max_tokens", "n", "temperature", "top_p", "top_k",
     "best_of", "stream_options.continuous_usage_stats", "response_format", "bad_words", "priority", "seed",
+    "tokens",  # (/detokenize)
 }  # fmt: skip
 
 # Engine-side names of request fields (the input processor sees a prompt as its token ids).

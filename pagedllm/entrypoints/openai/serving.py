@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.chat import render_chat
 from pagedllm.engine.errors import EngineDeadError
+from pagedllm.engine.input_processor import encode_within, require_text
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, param_of
 from pagedllm.entrypoints.openai.tool_parsers import StreamingToolCalls, ToolCall, get_tool_parser
 from pagedllm.entrypoints.openai.tools import ToolChoice, resolve_tool_choice
@@ -203,6 +204,19 @@ class OpenAIServing:
             chat_template_kwargs=chat_template_kwargs, **kwargs,
         )  # fmt: skip
 
+    async def _without_special_tokens(self, prompt: str) -> dict[str, Any]:
+        """A text prompt tokenized without the tokenizer's BOS/EOS (its text kept for echo)."""
+        if self.tokenizer is None:
+            raise ValueError("add_special_tokens needs a tokenizer; this model has none")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        text = require_text(prompt, "prompt")
+        ids = await self.llm.run_in_worker(encode_within, self.tokenizer, text, self.max_model_len, "prompt",
+                                           add_special_tokens=False)  # fmt: skip
+        if not ids:
+            raise ValueError("prompt has no tokens")
+        return {"prompt": text, "prompt_token_ids": ids}
+
     def _decode(self, token_id: int) -> str:
         return self.llm.engine.output_processor._decode_one(token_id) if self.tokenizer is not None else ""
 
@@ -214,6 +228,8 @@ class OpenAIServing:
         prompts = req.prompts()
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise ValueError(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS_PER_REQUEST} per request")
+        if not req.add_special_tokens:
+            prompts = [await self._without_special_tokens(p) if isinstance(p, str) else p for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await _start(self.llm, prompts, params, rid, req.priority, self.loras.get(req.model or ""), req.cache_salt)
@@ -351,6 +367,7 @@ class OpenAIServing:
             continue_final_message=req.continue_final_message,
             tools=tools.tools if tools is not None else None,
             max_model_len=self.max_model_len,
+            add_special_tokens=req.add_special_tokens,
         )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")
