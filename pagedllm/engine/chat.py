@@ -8,6 +8,7 @@ from typing import Any
 from pagedllm.engine.input_processor import encode_within, require_text
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
+TEXT_PART_SEPARATOR = "\n"  # how a message's text parts are joined (as vLLM)
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -28,7 +29,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
                 texts.append(part["text"])
-            content = "\n".join(texts)
+            content = TEXT_PART_SEPARATOR.join(texts)
         elif content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
@@ -65,7 +66,8 @@ def render_chat(
 ) -> list[int]:
     """Token ids of the rendered conversation (special tokens come from the template only,
     unless ``add_special_tokens``: then the tokenizer's too, as vLLM's request field); a
-    ValueError if it has ``max_model_len`` tokens or more.
+    ValueError when the text's head alone has more than ``max_model_len`` tokens
+    (``encode_within``: the caller checks the whole count).
 
     ``tools`` (OpenAI function tools) go to the template; a template that never mentions
     tools (the default model's) gets them described in the system message instead.

@@ -18,14 +18,28 @@ from typing import Any, Sequence
 
 from pagedllm.sampling_params import SamplingParams
 
-# Priming reads the shortest prompt suffix of at least PRIME_MIN tokens (at most PRIME_MAX) that
-# decodes to whole characters: enough context for the decoder, never a cut character.
+# Priming feeds the shortest prompt suffix of at least PRIME_MIN tokens (at most PRIME_MAX) that
+# does not start inside a character: a few tokens of context for the decoder.
 PRIME_MIN, PRIME_MAX = 4, 24
+
+
+def prime_tokens(tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
+    """The end of a prompt to prime a request's detokenizers with (once per request: its n
+    samples share it). A suffix that ends inside a character is fine (the output completes it,
+    as the text would read); one that starts inside a character is not (its first bytes are
+    missing). No such suffix: nothing."""
+    backend = tokenizer.backend_tokenizer
+    for n in range(min(PRIME_MIN, len(prompt_token_ids)), min(PRIME_MAX, len(prompt_token_ids)) + 1):
+        suffix = list(prompt_token_ids[-n:])
+        if not backend.decode(suffix, skip_special_tokens=skip_special_tokens).startswith("\ufffd"):
+            return suffix
+    return []
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, params: SamplingParams, eos_token_ids: frozenset[int] = frozenset(),
-                 prompt_token_ids: Sequence[int] = ()):  # fmt: skip
+                 prime: Sequence[int] = ()):  # fmt: skip
+        """``prime``: the prompt's end (``prime_tokens``), read first and not output."""
         self._backend = tokenizer.backend_tokenizer
         self._skip_special = params.skip_special_tokens
         self._stream = self._new_stream()
@@ -42,24 +56,13 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self._num_tokens = 0
         self.tokens_after_stop = 0  # of the last update's tokens, those after the one a stop string ended in
-        self._prime(list(prompt_token_ids))
+        for token_id in prime:
+            self._step(token_id)
 
     def _new_stream(self) -> Any:
         from tokenizers.decoders import DecodeStream
 
         return DecodeStream(skip_special_tokens=self._skip_special)
-
-    def _prime(self, prompt: list[int]) -> None:
-        """Feed the stream the prompt's last tokens (their text is not output)."""
-        if not prompt:
-            return
-        for n in range(min(PRIME_MIN, len(prompt)), min(PRIME_MAX, len(prompt)) + 1):
-            suffix = prompt[-n:]
-            if "\ufffd" not in self._backend.decode(suffix, skip_special_tokens=self._skip_special):
-                for token_id in suffix:
-                    self._step(token_id)
-                return
-        # no clean suffix (a prompt of broken characters): decode the output on its own
 
     def _step(self, token_id: int) -> str | None:
         try:
@@ -110,7 +113,7 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out, minus what might still turn out to be a stop string."""
-        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold_back)
+        end = max(self._emitted, len(self.visible_text(finished)))
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

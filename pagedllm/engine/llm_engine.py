@@ -322,9 +322,11 @@ class LLMEngine:
             if req is not None:
                 req.error = error
                 self.output_processor.mark(req)
-        for req in self.parallel.drop(request_id) + self.structured.drop(request_id):  # samples still held back
+        held = self.parallel.drop(request_id) + self.structured.drop(request_id)  # samples still held back
+        for req in held:
             req.status, req.error, req.finished_time = status, error, time.monotonic()
             self.output_processor.mark(req)
+        self.structured.forget([req.request_id for req in held])  # (never scheduled: no step reports them)
 
     def _fail_request(self, req: Request, error: BaseException) -> None:
         """A fault pinned on one request ends that request (all its samples) and nothing else."""

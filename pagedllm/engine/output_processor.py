@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, prime_tokens
 from pagedllm.request import Request
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.outputs import RowLogprobs
@@ -59,12 +59,12 @@ class OutputProcessor:
     def add(self, samples: list[Request], kind: RequestOutputKind) -> None:
         first = samples[0]
         detok = self.tokenizer is not None and first.sampling_params.detokenize
+        prime = prime_tokens(self.tokenizer, first.prompt_token_ids, first.sampling_params.skip_special_tokens) if detok else []
         self.parents[first.parent_id] = _Parent(
             request_id=first.parent_id,
             kind=kind,
             samples=[
-                _Sample(r, IncrementalDetokenizer(self.tokenizer, r.sampling_params, r.eos_token_ids,
-                                                  r.prompt_token_ids) if detok else None)  # fmt: skip
+                _Sample(r, IncrementalDetokenizer(self.tokenizer, r.sampling_params, r.eos_token_ids, prime) if detok else None)
                 for r in samples
             ],
         )

@@ -129,6 +129,8 @@ class StructuredOutputManager:
                 self._owners[req.request_id] = req
                 if is_json:
                     self._json.add(req.request_id)
+                else:  # (an ended JSON request under the same id may not be forgotten yet)
+                    self._json.discard(req.request_id)
             self.num_compiled += 1
             ready.append((held.samples, None))
         return ready

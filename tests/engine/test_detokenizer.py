@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, prime_tokens
 from pagedllm import SamplingParams
 
 TEXTS = [
@@ -90,10 +90,20 @@ def test_the_first_generated_word_keeps_its_space_after_the_prompt(sentencepiece
     full = tok.encode("The capital of France is Paris", add_special_tokens=False)
     output = full[len(prompt):]
     assert full[: len(prompt)] == prompt and tok.decode(output) == "Paris"  # decoded alone: the space is gone
-    detok = IncrementalDetokenizer(tok, SamplingParams(), prompt_token_ids=prompt)
+    detok = IncrementalDetokenizer(tok, SamplingParams(), prime=prime_tokens(tok, prompt, True))
     detok.update(output)
     assert detok.take_delta(finished=True) == detok.text == " Paris"
     assert tok.decode(prompt) + detok.text == tok.decode(full)
+
+
+def test_a_prompt_that_ends_inside_a_character_is_completed_by_the_output(default_tokenizer):
+    ids = default_tokenizer.encode("Hello 😀 world", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if default_tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    prime = prime_tokens(default_tokenizer, ids[:cut], True)
+    assert prime == ids[max(0, cut - 4) : cut] or len(prime) > 4  # a short suffix, not the whole prompt
+    detok = IncrementalDetokenizer(default_tokenizer, SamplingParams(), prime=prime)
+    detok.update(ids[cut:])
+    assert detok.text == " 😀 world"  # (the space is in the token that starts the emoji)
 
 
 def test_a_byte_run_that_is_not_utf8_does_not_fail_the_request(sentencepiece_tokenizer):

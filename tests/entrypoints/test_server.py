@@ -454,3 +454,12 @@ def test_chat_echo_joins_text_parts_as_the_prompt_does(client, model):
     extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
     out = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, extra_body=extra)
     assert out.choices[0].message.content.startswith("Part one.\nPart two")
+
+
+def test_tokenize_counts_past_the_context_but_not_without_bound(server):
+    """As vLLM, /tokenize counts a text longer than max_model_len (a client counts to decide
+    what to cut); far beyond it (TOKENIZE_LIMIT x) it refuses from the text's head."""
+    over = httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 600}, timeout=30).json()
+    assert over["count"] > over["max_model_len"] == 512
+    far = httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 100_000}, timeout=30)
+    assert far.status_code == 400 and far.json()["error"]["param"] == "prompt"

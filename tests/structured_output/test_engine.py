@@ -269,3 +269,41 @@ def test_a_request_id_used_again_keeps_its_constraint(llm):
             outs += [o for o in engine.step() if o.request_id == "same-id" and o.finished]
         texts.append(outs[-1].outputs[0].text)
     assert texts[0] in ("yes", "no") and texts == [texts[0]] * 3
+
+
+def test_held_samples_of_an_aborted_request_leave_no_matcher(llm):
+    """n > 1 under a grammar: samples 1..n-1 wait for sample 0's prefill (prefix sharing) with
+    matchers already made; aborted then, they were never scheduled, so no step reported them
+    finished and their matchers (and requests) stayed (found by review, 2026-11-27)."""
+    engine = llm.llm_engine
+    params = SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{4}"))  # fmt: skip
+    engine.add_request("Spell a word:", params, request_id="held")
+    engine.structured.wait_for_any(timeout=60)  # the grammar compiled
+    engine._admit_compiled()
+    assert len(engine.structured._matchers) == 3
+    engine.abort_request("held")
+    for _ in range(3):
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert not engine.structured._matchers and not engine.structured._owners
+
+
+def test_a_reused_id_under_another_kind_of_constraint_drops_the_json_rules(llm):
+    engine = llm.llm_engine
+
+    def run(so: StructuredOutputsParams) -> str:
+        engine.add_request("Write:", SamplingParams(temperature=0, max_tokens=10, structured_outputs=so), request_id="kind")
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == "kind" and o.finished]
+            if "kind" in engine.structured._matchers and engine.structured._owners["kind"].sampling_params.structured_outputs is so:
+                kinds.append("kind" in engine.structured._json)
+        return outs[-1].outputs[0].text
+
+    kinds: list[bool] = []
+    run(StructuredOutputsParams(json_object=True))
+    assert kinds and kinds[-1]
+    kinds.clear()
+    run(StructuredOutputsParams(regex="[a-z]{3}"))
+    assert kinds and not any(kinds)

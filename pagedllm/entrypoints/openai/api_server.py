@@ -177,6 +177,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
             return Response(status_code=499)  # nobody is listening; the status is for the log
 
 
+# /tokenize counts texts of up to this many times max_model_len tokens.
+TOKENIZE_LIMIT = 4
+
+
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     served_model_name, model_root = config.served_model_name, config.model_root
     app = FastAPI(title="pagedllm", version=__version__)
@@ -330,23 +334,20 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         tok = llm.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer")
-        # Bounded as the generation routes are (a text far over max_model_len is refused from its
-        # head): the tokenizer workers are shared with every completion and chat request.
-        limit = serving.max_model_len
+        # Counts past max_model_len too (as vLLM: a client counts to decide what to cut), up to
+        # TOKENIZE_LIMIT x max_model_len, refused from the text's head beyond that: the tokenizer
+        # workers are shared with every completion and chat request (15 MB texts held them ~50 s).
+        limit = TOKENIZE_LIMIT * serving.max_model_len
         if req.messages is not None:
             tools = check_tools(req.tools) if req.tools is not None else None
             ids = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                             continue_final_message=req.continue_final_message, tools=tools,
-                                            max_model_len=limit)  # fmt: skip
-            what = "messages"
+                                            max_model_len=limit, add_special_tokens=bool(req.add_special_tokens))  # fmt: skip
         elif req.prompt is not None:
-            ids = await llm.run_in_worker(encode_within, tok, req.prompt, limit, "prompt",
-                                          add_special_tokens=req.add_special_tokens)  # fmt: skip
-            what = "prompt"
+            add = req.add_special_tokens is not False
+            ids = await llm.run_in_worker(encode_within, tok, req.prompt, limit, "prompt", add_special_tokens=add)
         else:
             raise ValueError("prompt or messages is required")
-        if len(ids) > serving.max_model_len:
-            raise ValueError(f"{what} has {len(ids)} tokens, more than max_model_len ({serving.max_model_len})")
         body: dict[str, Any] = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = tok.convert_ids_to_tokens(ids)

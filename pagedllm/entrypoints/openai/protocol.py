@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from pagedllm.engine.chat import TEXT_PART_SEPARATOR
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
@@ -312,7 +313,7 @@ class ChatCompletionRequest(_SamplingFields):
             return ""
         content = last.get("content")
         if isinstance(content, list):  # (joined as the prompt joins them: normalize_messages)
-            return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            return TEXT_PART_SEPARATOR.join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         return content if isinstance(content, str) else ""
 
     def to_sampling_params(self) -> SamplingParams:
@@ -330,7 +331,7 @@ class TokenizeRequest(_TextBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: as the route it counts for (completions True, chat False)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None  # as chat renders them (checked as chat checks them)

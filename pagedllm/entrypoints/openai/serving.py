@@ -204,18 +204,22 @@ class OpenAIServing:
             chat_template_kwargs=chat_template_kwargs, **kwargs,
         )  # fmt: skip
 
-    async def _without_special_tokens(self, prompt: str) -> dict[str, Any]:
-        """A text prompt tokenized without the tokenizer's BOS/EOS (its text kept for echo)."""
+    async def _without_special_tokens(self, prompts: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        """Text prompts tokenized without the tokenizer's BOS/EOS (their text kept for echo),
+        all in one trip to the worker pool; token-id prompts as they are."""
         if self.tokenizer is None:
             raise ValueError("add_special_tokens needs a tokenizer; this model has none")
-        if not prompt:
-            raise ValueError("prompt is empty")
-        text = require_text(prompt, "prompt")
-        ids = await self.llm.run_in_worker(encode_within, self.tokenizer, text, self.max_model_len, "prompt",
-                                           add_special_tokens=False)  # fmt: skip
-        if not ids:
-            raise ValueError("prompt has no tokens")
-        return {"prompt": text, "prompt_token_ids": ids}
+
+        def encode(text: str) -> dict[str, Any]:
+            if not text:
+                raise ValueError("prompt is empty")
+            ids = encode_within(self.tokenizer, require_text(text, "prompt"), self.max_model_len, "prompt",
+                                add_special_tokens=False)  # fmt: skip
+            if not ids:
+                raise ValueError("prompt has no tokens")
+            return {"prompt": text, "prompt_token_ids": ids}
+
+        return await self.llm.run_in_worker(lambda: [encode(p) if isinstance(p, str) else p for p in prompts])
 
     def _decode(self, token_id: int) -> str:
         return self.llm.engine.output_processor._decode_one(token_id) if self.tokenizer is not None else ""
@@ -229,7 +233,7 @@ class OpenAIServing:
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise ValueError(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS_PER_REQUEST} per request")
         if not req.add_special_tokens:
-            prompts = [await self._without_special_tokens(p) if isinstance(p, str) else p for p in prompts]
+            prompts = await self._without_special_tokens(prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await _start(self.llm, prompts, params, rid, req.priority, self.loras.get(req.model or ""), req.cache_salt)
