@@ -278,15 +278,17 @@ def test_held_samples_of_an_aborted_request_leave_no_matcher(llm):
     engine = llm.llm_engine
     params = SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=8,
                             structured_outputs=StructuredOutputsParams(regex="[a-z]{4}"))  # fmt: skip
+    engine.step()  # (earlier tests' last finished ids are reported and forgotten here)
     engine.add_request("Spell a word:", params, request_id="held")
     engine.structured.wait_for_any(timeout=60)  # the grammar compiled
     engine._admit_compiled()
-    assert len(engine.structured._matchers) == 3
+    mine = {i for i in engine.structured._matchers if "held" in i}
+    assert len(mine) == 3
     engine.abort_request("held")
     for _ in range(3):
         engine.step()
     assert not engine.has_unfinished_requests()
-    assert not engine.structured._matchers and not engine.structured._owners
+    assert not mine & (set(engine.structured._matchers) | set(engine.structured._owners))
 
 
 def test_a_reused_id_under_another_kind_of_constraint_drops_the_json_rules(llm):
