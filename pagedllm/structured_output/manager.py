@@ -53,7 +53,6 @@ class StructuredOutputManager:
         self._compiling: dict[tuple, Future] = {}  # constraint key -> its compile, while it runs
         self._held: dict[str, _Held] = {}  # parent request id -> samples waiting for the grammar
         self._matchers: dict[str, Any] = {}  # request id -> its GrammarMatcher
-        self._json: set[str] = set()  # request ids under a JSON constraint (json, json_object)
         self._owners: dict[str, Request] = {}  # request id -> the request its matcher is for
         self.num_compiled = 0
 
@@ -123,14 +122,9 @@ class StructuredOutputManager:
                 continue
             compiled = held.future.result()
             backend = self.backend()
-            is_json = held.samples[0].sampling_params.structured_outputs.kind in ("json", "json_object")
             for req in held.samples:
                 self._matchers[req.request_id] = backend.matcher(compiled)
                 self._owners[req.request_id] = req
-                if is_json:
-                    self._json.add(req.request_id)
-                else:  # (an ended JSON request under the same id may not be forgotten yet)
-                    self._json.discard(req.request_id)
             self.num_compiled += 1
             ready.append((held.samples, None))
         return ready
@@ -150,9 +144,13 @@ class StructuredOutputManager:
             return None
         backend = self.backend()
         mask = torch.empty(len(ids), backend.bitmask_width, dtype=torch.int32)
-        json_rows = [row for row, req_id in enumerate(ids) if req_id in self._json]
+        json_rows = [row for row, req_id in enumerate(ids) if self.under_json(req_id)]
         backend.fill_bitmask([self._matchers[i] for i in ids], mask, json_rows)
         return GrammarBitmask({req_id: row for row, req_id in enumerate(ids)}, mask)
+
+    def under_json(self, req_id: str) -> bool:
+        """Whether the request with this id samples under a JSON constraint (json, json_object)."""
+        return self._owners[req_id].sampling_params.structured_outputs.kind in ("json", "json_object")
 
     def tracks(self, req_id: str) -> bool:
         return req_id in self._matchers
@@ -178,7 +176,6 @@ class StructuredOutputManager:
                 continue
             self._matchers.pop(req_id, None)
             self._owners.pop(req_id, None)
-            self._json.discard(req_id)
 
     def shutdown(self) -> None:
         for pool in self._pools.values():

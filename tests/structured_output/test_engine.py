@@ -300,7 +300,7 @@ def test_a_reused_id_under_another_kind_of_constraint_drops_the_json_rules(llm):
         while engine.has_unfinished_requests():
             outs += [o for o in engine.step() if o.request_id == "kind" and o.finished]
             if "kind" in engine.structured._matchers and engine.structured._owners["kind"].sampling_params.structured_outputs is so:
-                kinds.append("kind" in engine.structured._json)
+                kinds.append(engine.structured.under_json("kind"))
         return outs[-1].outputs[0].text
 
     kinds: list[bool] = []
