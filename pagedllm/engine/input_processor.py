@@ -94,11 +94,9 @@ class InputProcessor:
             raise ValueError(f"prompt has unknown keys {', '.join(unknown)}: a prompt dict takes 'prompt' and/or "
                              "'prompt_token_ids' (and 'cache_salt')")  # fmt: skip
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
+            if prompt and self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, encode_within(self.tokenizer, require_text(prompt, "prompt"), self.max_model_len, "prompt")
+            return prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -152,6 +150,14 @@ def encode_within(tokenizer: Any, text: str, limit: int, what: str, **kwargs: An
         if len(head) > limit:  # (a token or two at the cut may merge differently: hence > limit)
             raise ValueError(f"{what} is longer than max_model_len ({limit} tokens): at least {len(head) - 1} tokens")
     return list(tokenizer.encode(text, **kwargs))
+
+
+def encode_prompt(tokenizer: Any, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's token ids: not empty, text (no lone surrogate), refused from its head
+    when far over ``limit`` tokens (``encode_within``)."""
+    if not text:
+        raise ValueError("prompt is empty")
+    return encode_within(tokenizer, require_text(text, "prompt"), limit, "prompt", add_special_tokens=add_special_tokens)
 
 
 def require_text(value: str, field: str) -> str:

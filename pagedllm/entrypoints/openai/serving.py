@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.chat import render_chat
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.engine.input_processor import encode_within, require_text
+from pagedllm.engine.input_processor import encode_prompt
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, param_of
 from pagedllm.entrypoints.openai.tool_parsers import StreamingToolCalls, ToolCall, get_tool_parser
 from pagedllm.entrypoints.openai.tools import ToolChoice, resolve_tool_choice
@@ -210,13 +210,8 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise ValueError("add_special_tokens needs a tokenizer; this model has none")
 
-        def encode(text: str) -> dict[str, Any]:
-            if not text:
-                raise ValueError("prompt is empty")
-            ids = encode_within(self.tokenizer, require_text(text, "prompt"), self.max_model_len, "prompt",
-                                add_special_tokens=False)  # fmt: skip
-            if not ids:
-                raise ValueError("prompt has no tokens")
+        def encode(text: str) -> dict[str, Any]:  # (an empty list of ids: the input processor refuses it)
+            ids = encode_prompt(self.tokenizer, text, self.max_model_len, add_special_tokens=False)
             return {"prompt": text, "prompt_token_ids": ids}
 
         return await self.llm.run_in_worker(lambda: [encode(p) if isinstance(p, str) else p for p in prompts])
