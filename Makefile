@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml Makefile
 browser:
 	@sh .ci/install-chromium
 
-serve: setup
+# Serving needs only the venv: the browser is for the tests.
+serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
 test: setup
