@@ -250,6 +250,10 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
         # Each request's first token is its time to first token; each later step of its sequences
         # (n samples or beams advance together), one inter-token latency.
         assert srv.metric("pagedllm:inter_token_latency_seconds_count") == gaps
+        # Per finished request, vLLM's length histograms: the prompt and the outputs as usage counts them.
+        assert srv.metric("pagedllm:request_prompt_tokens_count") == srv.metric("pagedllm:request_generation_tokens_count") == 10
+        assert srv.metric("pagedllm:request_prompt_tokens_sum") == prompt_sum
+        assert srv.metric("pagedllm:request_generation_tokens_sum") == completion_sum
     finally:
         assert srv.stop() == 0
 

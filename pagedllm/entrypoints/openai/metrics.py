@@ -42,8 +42,14 @@ class KVConnectorMetrics:
         self.dropped = counter("dropped_saves", "Blocks not saved: the saver's backlog was full, or the write failed (e.g. a full disk).")
         self.load_latency = Histogram("pagedllm:kv_connector_load_seconds", "Per request: reading, verifying and loading its blocks from the KV store.",
                                       ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.queried_total = self.hits_total = 0  # since the start, for the hit-rate gauge
+        Gauge("pagedllm:kv_connector_hit_rate", "Blocks found in the KV store / blocks looked up, since the start (0..1).",
+              ["model_name"], registry=r).labels(**labels).set_function(
+                  lambda: self.hits_total / self.queried_total if self.queried_total else 0.0)  # fmt: skip
 
     def record(self, s: KVConnectorStats) -> None:
+        self.queried_total += s.num_queried_blocks
+        self.hits_total += s.num_hit_blocks
         self.queried.inc(s.num_queried_blocks)
         self.hits.inc(s.num_hit_blocks)
         self.rejected.inc(s.num_rejected_blocks)
@@ -104,6 +110,10 @@ class ServerMetrics:
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.queue_time = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduling.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.iteration_tokens = Histogram("pagedllm:iteration_tokens_total", "Tokens per engine step.", ["model_name"], buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)
+        self.request_prompt_tokens = Histogram("pagedllm:request_prompt_tokens", "Prompt tokens per finished request.", ["model_name"],
+                                               buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.request_generation_tokens = Histogram("pagedllm:request_generation_tokens", "Output tokens per finished request (all its samples, as usage counts them).",
+                                                   ["model_name"], buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)  # fmt: skip
         # Speculative decoding (vLLM's spec_decode counters); per_pos: accepted at draft position j.
         self.spec_drafts = Counter("pagedllm:spec_decode_num_drafts", "Draft sequences verified.", ["model_name"], registry=r).labels(**labels)
         self.spec_draft_tokens = Counter("pagedllm:spec_decode_num_draft_tokens", "Draft tokens verified.", ["model_name"], registry=r).labels(**labels)
@@ -113,12 +123,10 @@ class ServerMetrics:
             ["model_name", "position"], registry=r,
         )  # fmt: skip
         self.kv_connector = KVConnectorMetrics(r, labels) if engine.config.kv_transfer_config is not None else None
-        if engine.kv_connector is not None:
+        if engine.kv_connector is not None:  # one engine (data-parallel replicas each have their own store view)
             connector = engine.kv_connector
             gauge("kv_connector_store_bytes", "Bytes of block files in the KV store (as this server knows them).",
                   lambda: getattr(connector.store, "total_bytes", 0))  # fmt: skip
-            gauge("kv_connector_hit_rate", "Blocks found in the KV store / blocks looked up, since the start (0..1).",
-                  lambda: connector.stats.total.hit_rate)  # fmt: skip
         # LoRA (vLLM's lora_requests_info): the adapters with running / waiting requests as
         # labels, the value the time of the update; and the requests per adapter and state.
         self.max_lora = str(engine.config.max_loras) if engine.config.enable_lora else None
@@ -133,6 +141,7 @@ class ServerMetrics:
             self._lora_last: tuple | None = None
         self._engine = engine
         self._last_token_time: dict[str, float] = {}
+        self._output_tokens: dict[str, int] = {}  # request id -> output tokens so far (all samples)
         async_llm.add_stat_logger(self)
         async_llm.output_hooks.append(self.on_output)
 
@@ -192,8 +201,13 @@ class ServerMetrics:
                 for _ in range(new_tokens):
                     self.itl.observe(gap)
             self._last_token_time[out.request_id] = now
+        output_tokens = self._output_tokens.pop(out.request_id, 0) + sum(len(c.token_ids) for c in out.outputs)
+        if not out.finished:
+            self._output_tokens[out.request_id] = output_tokens
         if out.finished:
             self._last_token_time.pop(out.request_id, None)
+            self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            self.request_generation_tokens.observe(output_tokens)
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
             self.request_success.labels(finished_reason=reason, **self.labels).inc()
             if m is not None:
