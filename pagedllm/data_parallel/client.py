@@ -323,10 +323,10 @@ class DPAsyncLLM(RequestStreams):
     def _on_message(self, rank: int, msg: tuple) -> None:
         kind = msg[0]
         if kind in ("step", "outputs"):
-            _, outputs, stats, report = msg
+            _, outputs, step_stats, report = msg
             self.reports[rank] = report
             self.balancer.loads[rank].kv_cache_usage = report.kv_cache_usage
-            if stats is not None:
+            for stats in step_stats:
                 stats = self._merge_lora(rank, stats)
                 for stat_logger, replica in self._stat_loggers:
                     if replica is None or replica == rank:

@@ -5,9 +5,11 @@ The API process sends commands over a pipe (pickled tuples) and reads messages b
     API -> replica:  ("add", call_id, [(request_id, ProcessedRequest)], max_waiting, RequestOutputKind)
                      ("abort", request_id) | ("abort_all",) | ("call", call_id, fn) | ("stop",)
     replica -> API:  ("ready", EngineFacts) once loaded
-                     ("step", [RequestOutput], StepStats | None, ReplicaReport) after each step
+                     ("step", [RequestOutput], [StepStats], ReplicaReport) after each step,
+                     and about once a second while idle (the stats of the state alone)
                      (outputs without their prompt: the API process has it)
-                     ("outputs", [RequestOutput], None, ReplicaReport) for outputs between steps
+                     ("outputs", [RequestOutput], [StepStats], ReplicaReport) for outputs
+                     between steps (an abort's stats with them)
                      ("reply", call_id, ok, value) for "add" and "call"
                      ("dead", reason) before exiting on a fault it cannot pin on a request
 
@@ -87,13 +89,18 @@ class EngineCore:
     def record(self, stats: StepStats) -> None:  # a stat logger of the engine
         self._step_stats.append(stats)
 
+    def take_stats(self) -> list[StepStats]:
+        """What the engine reported since the last message: after a step, an abort, or idling."""
+        stats, self._step_stats = self._step_stats, []
+        return stats
+
     def send(self, msg: tuple) -> None:
         with self._send_lock:
             self.conn.send(msg)
 
     def report(self) -> ReplicaReport:
-        sched = self.engine.scheduler
-        return ReplicaReport(len(sched.running), len(sched.waiting), self.engine.kv_cache_manager.usage())
+        engine = self.engine
+        return ReplicaReport(len(engine.scheduler.running), engine.num_waiting(), engine.kv_cache_manager.usage())
 
     def run(self) -> None:
         engine = self.engine
@@ -107,9 +114,10 @@ class EngineCore:
                     self.handle(cmd)
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                stats = self._step_stats[-1] if self._step_stats else None
-                self._step_stats.clear()
-                self.deliver("step", outputs, stats)
+                self.deliver("step", outputs, self.take_stats())
+            elif not busy:  # idle for a while: the state (and saves finished since) go out anyway
+                engine.record_state()
+                self.deliver("step", [], self.take_stats())
 
     def handle(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -131,15 +139,15 @@ class EngineCore:
             self.send(("reply", call_id, True, result))
         elif kind == "abort":
             if cmd[1] in self._live:
-                self.deliver("outputs", self.engine.abort_request(cmd[1]), None)
+                self.deliver("outputs", self.engine.abort_request(cmd[1]), self.take_stats())
         elif kind == "abort_all":
             for request_id in list(self._live):
-                self.deliver("outputs", self.engine.abort_request(request_id), None)
+                self.deliver("outputs", self.engine.abort_request(request_id), self.take_stats())
 
     def add_all(self, items: list[tuple[str, ProcessedRequest]], max_waiting: int | None,
                 output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> None:  # fmt: skip
         """Add every item or none (a failure withdraws the ones already added)."""
-        check_queue_room(len(self.engine.scheduler.waiting), len(items), max_waiting, " in this replica")
+        check_queue_room(self.engine.num_waiting(), len(items), max_waiting, " in this replica")
         added: list[str] = []
         try:
             for request_id, processed in items:
@@ -154,7 +162,7 @@ class EngineCore:
                 self.engine.abort_request(request_id)
             raise
 
-    def deliver(self, kind: str, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+    def deliver(self, kind: str, outputs: list[RequestOutput], stats: list[StepStats]) -> None:
         connector = self.engine.kv_connector
         now: list[RequestOutput] = []
         for out in map(_without_prompt, outputs):
@@ -162,10 +170,10 @@ class EngineCore:
                 self._live.discard(out.request_id)
             if out.finished and connector is not None and connector.config.holds_outputs:
                 # A producer answers once the request's blocks are in the store.
-                connector.when_saved(lambda o=out: self.send(("outputs", [o], None, self.report())))
+                connector.when_saved(lambda o=out: self.send(("outputs", [o], [], self.report())))
             else:
                 now.append(out)
-        if now or stats is not None:
+        if now or stats:
             self.send((kind, now, stats, self.report()))
 
 

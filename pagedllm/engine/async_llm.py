@@ -247,7 +247,7 @@ class AsyncLLM(RequestStreams):
         self._command(("abort_all",))
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        return self.engine.num_waiting()
 
     def _steppers_alive(self) -> bool:
         return self._thread.is_alive()
@@ -290,6 +290,7 @@ class AsyncLLM(RequestStreams):
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 engine.executor.check_alive()  # idle: a dead worker is found now, not by the next request
+                engine.record_state()  # the stats line and the metrics go on while idle
                 continue
             self._deliver(engine.step())
             if not engine.has_unfinished_requests():  # idle again: the steps' freed buffers go back

@@ -274,6 +274,16 @@ class BeamSearch:
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
+    def held(self) -> list[Request]:
+        """The first step requests of searches waiting for room in the pool (not yet queued)."""
+        return [req for _, req, _ in list(self._waiting)]  # (a copy: the metrics thread reads it too)
+
+    def holder_rows(self) -> list[tuple[tuple[str, str], int, int, int]]:
+        """Beams that reported and hold their blocks until their siblings do (a live view):
+        (holder table id, prompt tokens, output tokens, most tokens the search may reach)."""
+        return [(beam.holder, len(g.prompt_token_ids), len(beam.tokens), len(g.prompt_token_ids) + g.params.max_tokens)
+                for g in self.groups.values() for beam in g.beams if beam.holder is not None]  # fmt: skip
+
     # ------------------------------------------------------------------ after each step
     def after_step(self, scheduled: list[Request], logprobs: list[list]) -> None:
         """Collect the beams' reports (the step's requests in order, their logprob rows), retire

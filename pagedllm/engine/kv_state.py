@@ -87,13 +87,22 @@ class RecentStats:
 
 def kv_cache_state(engine: Any, recent: RecentStats | None = None) -> dict[str, Any]:
     """The dashboard's JSON: the block pool, the queues and recent stats (engine thread only)."""
-    pool = engine.kv_cache_manager.snapshot()
-    requests = engine.scheduler.snapshot()
-    index = {r["request_id"]: i for i, r in enumerate(requests)}
+    kv = engine.kv_cache_manager
+    pool = kv.snapshot()
+    requests = engine.scheduler.snapshot(engine.held_requests())
+    index: dict = {r["request_id"]: i for i, r in enumerate(requests)}
+    # Beams that reported hold their blocks under a table of their own until their siblings do.
+    for holder, prompt, output, most in engine.beams.holder_rows():
+        index[holder] = len(requests)
+        requests.append({
+            "request_id": holder[1], "queue": "beam", "status": "holding", "num_computed_tokens": prompt + output,
+            "num_tokens": prompt + output, "num_prompt_tokens": prompt, "num_output_tokens": output,
+            "max_tokens": most, "num_preemptions": 0, "num_blocks": kv.num_held_blocks(holder),
+        })  # fmt: skip
     owner = [-1] * pool.num_blocks  # the first owning request's index in ``requests``
     shared = []
     for block_id, holders in pool.owners.items():
-        owner[block_id] = index.get(holders[0], -1)
+        owner[block_id] = next((index[h] for h in holders if h in index), -1)
         if len(holders) > 1:
             shared.append(block_id)
     codes = bytes.maketrans(b"\x00\x01\x02", (FREE + CACHED + USED).encode())

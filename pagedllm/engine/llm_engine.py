@@ -313,7 +313,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples): blocks are freed at once."""
         self._end_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
+        outputs = self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
+        self.record_state()  # no step may follow (the engine may now be idle)
+        return outputs
 
     def _end_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         self.beams.abort(request_id)  # a beam search: its beams' requests and blocks
@@ -336,6 +338,37 @@ class LLMEngine:
         if req.status is not RequestStatus.FINISHED_ERROR:  # it had just finished (its last token failed)
             req.status, req.error = RequestStatus.FINISHED_ERROR, message
             self.output_processor.mark(req)
+
+    def held_requests(self) -> list[Request]:
+        """Requests accepted but outside the scheduler's queues: samples waiting for their grammar
+        or for sample 0's prompt, beam searches waiting for room in the pool. They count as
+        waiting (as vLLM counts its requests waiting for a grammar)."""
+        return self.structured.held() + self.parallel.held() + self.beams.held()
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self.held_requests())
+
+    def record_state(self) -> None:
+        """Report the engine's state without a step (after an abort, or while idle): the
+        gauges and LoRA labels follow, saves the KV connector finished between steps are
+        counted, and the periodic log line comes on time."""
+        stats = self._step_stats()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
+
+    def _step_stats(self, **step: Any) -> StepStats:
+        """A step's counts (``step``; none: a report between steps) and the state after it."""
+        return StepStats(
+            num_prompt_tokens=step.pop("num_prompt_tokens", 0),
+            num_generation_tokens=step.pop("num_generation_tokens", 0),
+            num_running=len(self.scheduler.running),
+            num_waiting=self.num_waiting(),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_preemptions=step.pop("num_preemptions", 0),
+            kv_connector=self.kv_connector.take_stats() if self.kv_connector is not None else None,
+            lora=self.lora_requests_info() if self._lora is not None else None,
+            **step,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.structured.has_held or self.beams.has_unfinished()
@@ -487,20 +520,15 @@ class LLMEngine:
         for req in finished:
             if all(self.scheduler.requests.get(r) is None for r in self._samples_of.get(req.parent_id, [])):
                 self._samples_of.pop(req.parent_id, None)
-        stats = StepStats(
+        stats = self._step_stats(
             num_prompt_tokens=prompt_tokens,
             num_generation_tokens=sum(len(t) for t in result.sampled),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage(),
             num_preemptions=len(sched_out.preempted_ids),
             num_scheduled_tokens=sched_out.num_scheduled_tokens,
             num_prefix_queries=sched_out.num_prefix_queries,
             num_prefix_hits=sched_out.num_prefix_hits,
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
             spec=spec,
-            kv_connector=self.kv_connector.take_stats() if self.kv_connector is not None else None,
-            lora=self.lora_requests_info() if self._lora is not None else None,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)

@@ -44,6 +44,10 @@ class ParallelSampling:
         self._leaders[samples[0].parent_id] = samples[0]
         self._held[samples[0].parent_id] = samples[1:]
 
+    def held(self) -> list[Request]:
+        """Samples waiting for their sample 0's prompt (not yet queued)."""
+        return [req for samples in list(self._held.values()) for req in samples]  # (a copy: the metrics thread reads it too)
+
     def is_held(self, req: Request) -> bool:
         return req in self._held.get(req.parent_id, ())
 

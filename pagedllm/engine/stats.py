@@ -66,10 +66,15 @@ class StepStats:
 
 
 class StatsLogger:
-    """Every ``interval`` seconds, one line like vLLM's with throughput since the last line."""
+    """Every ``interval`` seconds, one line like vLLM's with throughput since the last line.
+
+    The engine records after each step and, while idle or after an abort, its state alone
+    (``LLMEngine.record_state``), so the line that follows the last request says it is over.
+    Later idle lines go to DEBUG, as vLLM's do, so an idle server does not fill its log."""
 
     def __init__(self, interval: float = 5.0):
         self.interval = interval
+        self._idle_logged = True  # nothing to report before the first request
         self._reset(time.monotonic())
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -107,7 +112,9 @@ class StatsLogger:
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed >= self.interval:
-            logger.info(
+            idle = not (self._prompt_tokens or self._generation_tokens or stats.num_running or stats.num_waiting)
+            logger.log(
+                logging.DEBUG if idle and self._idle_logged else logging.INFO,
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
                 "Preemptions: %d",
@@ -119,6 +126,7 @@ class StatsLogger:
                 100 * self._prefix_hits / max(1, self._prefix_queries),
                 self.num_preemptions_total,
             )
+            self._idle_logged = idle
             spec = self._spec
             if spec.num_drafts:
                 logger.info(

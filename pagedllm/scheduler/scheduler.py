@@ -327,10 +327,11 @@ class Scheduler:
         out.preempted_ids.append(req.request_id)
         return refund
 
-    def snapshot(self) -> list[dict]:
-        """Running then waiting requests as plain data (a live view; the engine thread calls it)."""
+    def snapshot(self, held: list[Request] = ()) -> list[dict]:
+        """Running then waiting requests as plain data (a live view; the engine thread calls it).
+        ``held``: requests accepted but not queued yet (the engine's), shown as waiting."""
         rows = []
-        for queue, reqs in (("running", self.running), ("waiting", list(self.waiting))):
+        for queue, reqs in (("running", self.running), ("waiting", [*self.waiting, *held])):
             for req in reqs:
                 rows.append({
                     "request_id": req.request_id, "queue": queue, "status": req.status.name.lower(),

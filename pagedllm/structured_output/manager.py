@@ -103,6 +103,10 @@ class StructuredOutputManager:
     def has_held(self) -> bool:
         return bool(self._held)
 
+    def held(self) -> list[Request]:
+        """Samples waiting for their grammar (not yet queued)."""
+        return [req for h in list(self._held.values()) for req in h.samples]  # (a copy: the metrics thread reads it too)
+
     def wait_for_any(self, timeout: float) -> None:
         """Block until a held grammar is ready (when nothing else is to be done)."""
         if self._held:

@@ -162,3 +162,48 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
         assert text("hit-rate").endswith("%") and text("hit-rate") != "0.0%"  # requests 2-4 hit the shared prefix
     finally:
         browser.quit()
+
+
+def test_requests_held_outside_the_queues_count_as_waiting(tiny_llama_tok):
+    """Samples waiting for their grammar or for sample 0's prompt are accepted and in flight:
+    the gauges, the queue cap and the dashboard count them as waiting (vLLM counts requests
+    waiting for a grammar so), and the state after an abort reaches the stat loggers at once."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_tok), num_kv_blocks=64, max_model_len=256), log_stats_interval=1e9)
+    seen: list[StepStats] = []
+    engine.stat_loggers.append(type("Seen", (), {"record": staticmethod(seen.append)})())
+    guided = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    engine.add_request({"prompt_token_ids": PROMPT}, guided, request_id="g")  # held until its grammar is ready
+    engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=4, n=3, seed=1), request_id="n3")
+    assert len(engine.scheduler.waiting) == 1  # sample 0 of n3; the rest are held
+    assert engine.num_waiting() == 4
+    state = kv_cache_state(engine)
+    assert state["num_waiting"] == 4 and {r["queue"] for r in state["requests"]} == {"waiting"}
+    engine.abort_request("g")
+    engine.abort_request("n3")
+    assert engine.num_waiting() == 0 and kv_cache_state(engine)["requests"] == []
+    assert seen and (seen[-1].num_waiting, seen[-1].num_running) == (0, 0)
+    assert not engine.has_unfinished_requests()
+
+
+def test_blocks_a_beam_holds_between_its_steps_have_an_owner(tiny_llama):
+    """A beam that reported keeps its blocks under a holder table until its siblings report;
+    under KV pressure the dashboard showed those blocks in use and owned by no one."""
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=16, max_model_len=250, max_num_seqs=4),
+                       log_stats_interval=1e9)  # fmt: skip
+    engine.add_beam_search({"prompt_token_ids": list(range(3, 30))}, BeamSearchParams(beam_width=3, max_tokens=40, ignore_eos=True))
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": [5 + i] + PROMPT[:26]}, SamplingParams(max_tokens=60, ignore_eos=True))
+    holders_seen = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        state = kv_cache_state(engine)
+        used = [b for b, c in enumerate(state["blocks"]) if c == "u"]
+        assert all(state["owner"][b] >= 0 for b in used), "a block in use with no owner"
+        rows = state["requests"]
+        holders_seen += sum(r["queue"] == "beam" for r in rows)
+        assert all(r["num_blocks"] > 0 for r in rows if r["queue"] == "beam")
+    assert holders_seen > 0  # the case this test is about happened

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -145,6 +146,23 @@ def test_lora_metrics(server, client):
     _complete(client, "b")
     text = httpx.get(f"{server.url}/metrics").text
     assert 'pagedllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in text
+
+
+def test_lora_gauges_forget_an_aborted_request(server):
+    """A LoRA request whose client goes away mid-stream is aborted: the LoRA gauges drop it then,
+    not at the next step (an idle engine may not step again for hours)."""
+    body = {"model": "a", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        chunks = (line for line in r.iter_lines() if line.startswith("data: "))
+        for _ in range(4):
+            next(chunks)
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'running_lora_adapters="a"' in text  # it was running
+    idle = 'pagedllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'
+    deadline = time.monotonic() + 30
+    while idle not in (text := httpx.get(f"{server.url}/metrics").text) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert idle in text and 'lora_name="a"' not in text
 
 
 def test_runtime_updating_needs_the_env_flag_and_modules_need_enable_lora(tiny_llama_tok, adapter_dirs):
