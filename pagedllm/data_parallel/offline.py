@@ -11,11 +11,10 @@ import asyncio
 import operator
 from collections.abc import Sequence
 
-from tqdm.auto import tqdm
-
 from pagedllm.data_parallel.client import DPAsyncLLM
 from pagedllm.engine.input_processor import ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import RequestOutputKind
+from pagedllm.engine.progress import ProgressBar
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -47,13 +46,13 @@ async def _run(dp: DPAsyncLLM, processed: list[ProcessedRequest], loras: list[Lo
         for rid in ids[: len(streams)]:
             dp.abort(rid)
         raise
-    bar = tqdm(total=len(streams), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+    bar = ProgressBar(len(streams), use_tqdm)
 
     async def final(stream) -> RequestOutput:
         last = None
         async for out in stream:
             last = out
-        bar.update(1)
+        bar.finished(last)
         return last
 
     try:

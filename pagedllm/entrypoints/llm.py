@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import fields
 from functools import partial
 from typing import Any, Callable, Sequence
-
-from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.chat import render_chat
 from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.progress import ProgressBar
 from pagedllm.logger import configure_logging
 from pagedllm.lora.request import LoRARequest
 from pagedllm.threads import configure_threads
@@ -200,21 +198,12 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        start = time.perf_counter()
-        in_toks = out_toks = 0
+        bar = ProgressBar(len(request_ids), use_tqdm)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     results[out.request_id] = out
-                    in_toks += len(out.prompt_token_ids)
-                    out_toks += sum(len(o.token_ids) for o in out.outputs)
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(
-                        f"est. speed input: {in_toks / elapsed:.1f} toks/s, output: {out_toks / elapsed:.1f} toks/s",
-                        refresh=False,
-                    )
-                    bar.update(1)
+                    bar.finished(out)
         except BaseException:
             # Leave no request behind holding blocks (e.g. on KeyboardInterrupt).
             for request_id in request_ids:

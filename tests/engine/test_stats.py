@@ -38,3 +38,19 @@ def test_an_idle_engine_reports_its_state(tiny_llama):
         llm.shutdown()
     assert len(seen) >= 2, "no stats while idle: the periodic line and the gauges would stop"
     assert all(s.num_generation_tokens == 0 and s.num_running == 0 and s.num_scheduled_tokens == 0 for s in seen)
+
+
+def test_the_progress_bar_estimates_speed_from_every_finished_request():
+    """One bar for one engine and for data-parallel replicas (whose bar had no speed)."""
+    from pagedllm.engine.progress import ProgressBar
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+
+    bar = ProgressBar(2, enabled=True)
+    try:
+        for prompt, outputs in (([1, 2, 3], [[4, 5]]), ([6], [[7], [8, 9, 10]])):
+            samples = [CompletionOutput(i, "", tokens, finish_reason="length") for i, tokens in enumerate(outputs)]
+            bar.finished(RequestOutput("r", None, prompt, samples, finished=True))
+        assert (bar.input_tokens, bar.output_tokens, bar.bar.n) == (4, 6, 2)
+        assert "est. speed input:" in bar.bar.postfix and "output:" in bar.bar.postfix
+    finally:
+        bar.close()
