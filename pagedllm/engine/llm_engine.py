@@ -119,6 +119,7 @@ class LLMEngine:
         self.stats = StatsLogger(log_stats_interval)
         # Consumers of per-step stats (the periodic log line; Prometheus metrics in the server).
         self.stat_loggers: list[Any] = [self.stats]
+        self._stats_time = time.monotonic()  # when stats were last taken (for steps that run nothing)
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len, config.max_num_seqs,
                                         validate_structured=self.structured.validate)  # fmt: skip
@@ -304,7 +305,7 @@ class LLMEngine:
         """Requests per adapter name: (running, waiting)."""
         running: dict[str, int] = {}
         waiting: dict[str, int] = {}
-        for reqs, counts in ((self.scheduler.running, running), (self.scheduler.waiting, waiting)):
+        for reqs, counts in ((self.scheduler.running, running), ([*self.scheduler.waiting, *self.held_requests()], waiting)):
             for r in reqs:
                 if r.lora_request is not None:
                     counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
@@ -358,6 +359,7 @@ class LLMEngine:
 
     def _step_stats(self, **step: Any) -> StepStats:
         """A step's counts (``step``; none: a report between steps) and the state after it."""
+        self._stats_time = time.monotonic()
         return StepStats(
             num_prompt_tokens=step.pop("num_prompt_tokens", 0),
             num_generation_tokens=step.pop("num_generation_tokens", 0),
@@ -388,7 +390,7 @@ class LLMEngine:
         self.structured.forget(sched_out.finished_req_ids)
         if sched_out.is_empty:
             self._update_states(sched_out)  # forget ended requests, apply pending moves
-            return self.output_processor.make_outputs()
+            return self._nothing_ran()
         self.faults.after_schedule(self._prompts(sched_out))
         self._update_states(sched_out)
         sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
@@ -432,7 +434,7 @@ class LLMEngine:
                 if len(queue) < depth:
                     return self.output_processor.make_outputs()
         if not queue:
-            return self.output_processor.make_outputs()
+            return self._nothing_ran()
         sched_out = queue.popleft()
         try:
             result = self.executor.collect()
@@ -466,6 +468,13 @@ class LLMEngine:
             logprobs=[result.logprobs[i] for i in keep], prompt_logprobs=result.prompt_logprobs,
             spec_token_ids=[drafts[i] for i in keep] if drafts else drafts,
         )  # fmt: skip
+
+    def _nothing_ran(self) -> list[RequestOutput]:
+        """A step that ran nothing (e.g. the only requests wait for their grammar): the state
+        still reaches the stat loggers about once a second, as an idle engine's does."""
+        if time.monotonic() - self._stats_time >= 1.0:
+            self.record_state()
+        return self.output_processor.make_outputs()
 
     def _finish_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Everything after the model step: the scheduler, stop checks, outputs and stats."""

@@ -56,11 +56,14 @@ def test_replicas_report_connector_saves_and_aborts_between_steps(tiny_llama, tm
                                            SamplingParams(max_tokens=200, ignore_eos=True), "long")  # fmt: skip
             async for _ in stream:  # it runs: abort it after its first output
                 break
+            (rank,) = [r for r, (n, _) in enumerate(llm.replica_loads()) if n]
+            its: list[StepStats] = []  # what the replica running it reports from now on
+            llm.add_stat_logger(type("Its", (), {"record": staticmethod(its.append)})(), replica=rank)
             llm.abort("long")
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not (seen and seen[-1].num_running == 0 == seen[-1].num_waiting):
+            while time.monotonic() < deadline and not (its and its[-1].num_running == 0 == its[-1].num_waiting):
                 await asyncio.sleep(0.1)
-            assert seen[-1].num_running == 0 and seen[-1].num_waiting == 0
+            assert its and its[-1].num_running == 0 and its[-1].num_waiting == 0
         finally:
             llm.shutdown()
 

@@ -187,6 +187,28 @@ def test_requests_held_outside_the_queues_count_as_waiting(tiny_llama_tok):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_step_that_runs_nothing_still_reports_the_state(tiny_llama_tok, monkeypatch):
+    """While the only request waits for its grammar, steps run nothing; the state still reaches
+    the stat loggers about once a second (a data-parallel replica reports only what is recorded,
+    so its waiting count stayed 0 for the whole compile)."""
+    from concurrent.futures import Future
+
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_tok), num_kv_blocks=64, max_model_len=256), log_stats_interval=1e9)
+    monkeypatch.setattr(engine.structured, "_compile", lambda params: Future())  # a compile that never ends
+    seen: list[StepStats] = []
+    engine.stat_loggers.append(type("Seen", (), {"record": staticmethod(seen.append)})())
+    guided = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    engine.add_request({"prompt_token_ids": PROMPT}, guided, request_id="g")
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        assert engine.step() == []
+    assert seen and (seen[-1].num_waiting, seen[-1].num_running, seen[-1].num_generation_tokens) == (1, 0, 0)
+    engine.abort_request("g")
+    assert not engine.has_unfinished_requests()
+
+
 def test_blocks_a_beam_holds_between_its_steps_have_an_owner(tiny_llama):
     """A beam that reported keeps its blocks under a holder table until its siblings report;
     under KV pressure the dashboard showed those blocks in use and owned by no one."""

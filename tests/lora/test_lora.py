@@ -362,3 +362,15 @@ def test_an_adapted_request_s_logprobs_do_not_depend_on_its_batch(base, adapters
 
     alone = logprobs([])
     assert logprobs(others) == alone and logprobs(others[:3]) == alone
+
+
+def test_lora_gauges_count_the_samples_held_back_as_waiting(base, adapters):
+    """The LoRA gauges' waiting count is the engine's: samples 1..n-1 held until sample 0's
+    prompt is cached are waiting requests of their adapter too."""
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=64, log_stats_interval=1e9)
+    engine = llm.llm_engine
+    engine.add_request({"prompt_token_ids": [9, 8, 7, 6, 5]}, SamplingParams(max_tokens=4, n=3, seed=0),
+                       request_id="r", lora_request=lora(adapters, "qv4", 1))  # fmt: skip
+    assert engine.num_waiting() == 3 and engine.lora_requests_info() == ({}, {"qv4": 3})
+    engine.abort_request("r")
+    assert engine.lora_requests_info() == ({}, {})

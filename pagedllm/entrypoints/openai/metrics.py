@@ -139,7 +139,6 @@ class ServerMetrics:
                                        ["model_name", "lora_name", "state"], registry=r)  # fmt: skip
             self.lora_info.labels(max_lora=self.max_lora, running_lora_adapters="", waiting_lora_adapters="").set(time.time())
             self._lora_last: tuple | None = None
-        self._engine = engine
         self._last_token_time: dict[str, float] = {}
         self._output_tokens: dict[str, int] = {}  # request id -> output tokens so far (all samples)
         async_llm.add_stat_logger(self)
@@ -216,9 +215,6 @@ class ServerMetrics:
                     self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
 
     def render(self) -> bytes:
-        connector = self._engine.kv_connector
-        if connector is not None and self.kv_connector is not None:  # saves finish between steps too
-            pending = connector.take_stats()
-            if pending is not None:
-                self.kv_connector.record(pending)
+        # (The KV connector's saves that finish between steps arrive with the engine's next
+        # step or its state report, about once a second while idle: one drain, on one thread.)
         return generate_latest(self.registry)
