@@ -116,7 +116,7 @@ class EngineCore:
                 outputs = engine.step()
                 self.deliver("step", outputs, self.take_stats())
             elif not busy:  # idle for a while: the state (and saves finished since) go out anyway
-                engine.record_state()
+                engine.report_idle()
                 self.deliver("step", [], self.take_stats())
 
     def handle(self, cmd: tuple) -> None:

@@ -290,7 +290,7 @@ class AsyncLLM(RequestStreams):
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 engine.executor.check_alive()  # idle: a dead worker is found now, not by the next request
-                engine.record_state()  # the stats line and the metrics go on while idle
+                engine.report_idle()  # the stats line and the metrics go on while idle
                 continue
             self._deliver(engine.step())
             if not engine.has_unfinished_requests():  # idle again: the steps' freed buffers go back

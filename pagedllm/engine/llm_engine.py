@@ -353,14 +353,19 @@ class LLMEngine:
         """Report the engine's state without a step (after an abort, or while idle): the
         gauges and LoRA labels follow, saves the KV connector finished between steps are
         counted, and the periodic log line comes on time."""
-        stats = self._step_stats()
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(stats)
+        self._record_stats()
 
-    def _step_stats(self, **step: Any) -> StepStats:
-        """A step's counts (``step``; none: a report between steps) and the state after it."""
+    def report_idle(self) -> None:
+        """No step ran (the engine is idle, or its only requests wait for their grammar): the
+        state still reaches the stat loggers, about once a second."""
+        if time.monotonic() - self._stats_time >= 1.0:
+            self.record_state()
+
+    def _record_stats(self, **step: Any) -> None:
+        """Hand the stat loggers a step's counts (``step``; none: a report between steps) and
+        the state after it."""
         self._stats_time = time.monotonic()
-        return StepStats(
+        stats = StepStats(
             num_prompt_tokens=step.pop("num_prompt_tokens", 0),
             num_generation_tokens=step.pop("num_generation_tokens", 0),
             num_running=len(self.scheduler.running),
@@ -371,6 +376,8 @@ class LLMEngine:
             lora=self.lora_requests_info() if self._lora is not None else None,
             **step,
         )
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.structured.has_held or self.beams.has_unfinished()
@@ -390,7 +397,8 @@ class LLMEngine:
         self.structured.forget(sched_out.finished_req_ids)
         if sched_out.is_empty:
             self._update_states(sched_out)  # forget ended requests, apply pending moves
-            return self._nothing_ran()
+            self.report_idle()
+            return self.output_processor.make_outputs()
         self.faults.after_schedule(self._prompts(sched_out))
         self._update_states(sched_out)
         sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
@@ -434,7 +442,8 @@ class LLMEngine:
                 if len(queue) < depth:
                     return self.output_processor.make_outputs()
         if not queue:
-            return self._nothing_ran()
+            self.report_idle()
+            return self.output_processor.make_outputs()
         sched_out = queue.popleft()
         try:
             result = self.executor.collect()
@@ -468,13 +477,6 @@ class LLMEngine:
             logprobs=[result.logprobs[i] for i in keep], prompt_logprobs=result.prompt_logprobs,
             spec_token_ids=[drafts[i] for i in keep] if drafts else drafts,
         )  # fmt: skip
-
-    def _nothing_ran(self) -> list[RequestOutput]:
-        """A step that ran nothing (e.g. the only requests wait for their grammar): the state
-        still reaches the stat loggers about once a second, as an idle engine's does."""
-        if time.monotonic() - self._stats_time >= 1.0:
-            self.record_state()
-        return self.output_processor.make_outputs()
 
     def _finish_step(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Everything after the model step: the scheduler, stop checks, outputs and stats."""
@@ -529,7 +531,7 @@ class LLMEngine:
         for req in finished:
             if all(self.scheduler.requests.get(r) is None for r in self._samples_of.get(req.parent_id, [])):
                 self._samples_of.pop(req.parent_id, None)
-        stats = self._step_stats(
+        self._record_stats(
             num_prompt_tokens=prompt_tokens,
             num_generation_tokens=sum(len(t) for t in result.sampled),
             num_preemptions=len(sched_out.preempted_ids),
@@ -539,8 +541,6 @@ class LLMEngine:
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
             spec=spec,
         )
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(stats)
         return self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
 
     def _update_states(self, out: SchedulerOutput) -> None:
