@@ -132,6 +132,14 @@ class CapacityReport:
     weights: WeightMemory
     kv: KVCapacity
     replicas: int = 1  # data parallelism: each replica holds its own weights and KV pool
+    # What runs beside the model, per replica (``beside_model``): LoRA slots and adapters, a
+    # drafter's weights and KV pool. Worst cases: slots fill, pools are written.
+    beside: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def replica_bytes(self) -> int:
+        """One replica's weights, KV pool and what runs beside them."""
+        return self.weights.total + self.kv.pool_bytes + sum(self.beside.values())
 
     def to_dict(self) -> dict:
         """Plain numbers (``pagedllm estimate --json``)."""
@@ -146,8 +154,9 @@ class CapacityReport:
                 "blocks_per_request": kv.blocks_per_request(kv.context_len), "max_concurrency": kv.max_concurrency,
                 "longest_context": kv.longest_context, "max_model_len": kv.max_model_len,
             },
+            "beside_model": dict(self.beside), "beside_model_bytes": sum(self.beside.values()),
             "data_parallel_size": self.replicas,
-            "total_bytes_all_replicas": self.replicas * (w.total + kv.pool_bytes),
+            "total_bytes_all_replicas": self.replicas * self.replica_bytes,
             "max_concurrency_all_replicas": self.replicas * kv.max_concurrency,
         }  # fmt: skip
 
@@ -168,10 +177,108 @@ class CapacityReport:
             f"({kv.blocks_per_request(kv.context_len)} blocks per request)",
             f"longest context: {kv.longest_context} tokens (limited by {limit})",
         ] + ([
-            f"data parallel: {self.replicas} replicas, each with the weights and KV pool above: "
-            f"{self.replicas * (w.total + kv.pool_bytes) / GIB:.3f} GiB in all, "
+            f"beside the model: {sum(self.beside.values()) / GIB:.3f} GiB at most ("
+            + ", ".join(f"{name} {b / GIB:.3f}" for name, b in self.beside.items()) + " GiB)"
+        ] if self.beside else []) + ([
+            f"data parallel: {self.replicas} replicas, each with the memory above: "
+            f"{self.replicas * self.replica_bytes / GIB:.3f} GiB in all, "
             f"{self.replicas * kv.max_concurrency} concurrent requests at {kv.context_len} tokens"
         ] if self.replicas > 1 else [])  # fmt: skip
+
+
+# ------------------------------------------------------------------------- beside the model
+def beside_model(config: EngineConfig, arch: ModelArch, max_model_len: int, kv: KVCapacity, native: bool) -> dict[str, int]:
+    """Bytes of what runs beside the model, at most: LoRA's slots (lora/slots.py), their panels
+    (made when a slot first runs) and the adapters kept loaded; a drafter's weights and its own
+    KV pool (spec_decode/draft_cache.py: as many blocks as the target's, committed as written)."""
+    out: dict[str, int] = {}
+    if config.enable_lora:
+        out.update(_lora_bytes(config, arch, native))
+    spec = config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        out.update(_drafter_bytes(config, arch, max_model_len, kv, native))
+    return out
+
+
+def _lora_linears(arch: ModelArch) -> list[tuple[int, int, list[int]]]:
+    """Per adaptable linear of the model: (in, out, the out columns of each part an adapter
+    may target separately), as ``SlotTable`` builds them."""
+    q, kv, hidden = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size
+    out = []
+    for layer in range(arch.num_layers):
+        out += [(hidden, q + 2 * kv, [q, kv, kv]), (q, hidden, [hidden])]
+        if not arch.is_moe_layer(layer):
+            inter = arch.intermediate_size
+            out += [(hidden, 2 * inter, [inter, inter]), (inter, hidden, [hidden])]
+    return out
+
+
+def _lora_bytes(config: EngineConfig, arch: ModelArch, native: bool) -> dict[str, int]:
+    n, r = config.max_loras, config.max_lora_rank
+    slots = panels = adapter = 0
+    for cin, cout, parts in _lora_linears(arch):
+        width = r * len(parts)  # a slot's A columns / B rows: every part at the largest rank
+        slots += n * (cin * width + width * cout) * 4
+        if native:  # A^T and B^T as the dense GEMM's panels
+            panels += n * (_panels(width, cin) + _panels(cout, width))
+        adapter += sum(r * (cin + c) * 4 for c in parts)  # A [r, in] and B [out, r] per part
+    cached = config.lora_cpu_capacity
+    return {f"LoRA slots ({n} x rank {r})": slots, "LoRA slot panels": panels,
+            f"LoRA adapters loaded (up to {cached})": cached * adapter}  # fmt: skip
+
+
+def _draft_pool_bytes(config: EngineConfig, kv: KVCapacity, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    from pagedllm.attention.kv_cache_dtype import resolve_kv_cache_dtype
+
+    spec = resolve_kv_cache_dtype(config.kv_cache_dtype, config.torch_dtype)
+    return 2 * num_layers * kv.num_blocks * kv.block_size * num_kv_heads * spec.bytes_per_token_head(head_dim)
+
+
+def _drafter_bytes(config: EngineConfig, arch: ModelArch, max_model_len: int, kv: KVCapacity, native: bool) -> dict[str, int]:
+    from dataclasses import replace
+
+    spec = config.speculative_config
+    if spec.method == "draft_model":
+        try:
+            draft_arch, tensors = read_tensors(resolve_model(spec.model))
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        draft_config = replace(config, model=spec.model, speculative_config=None, quantization=None)
+        weights = estimate_weights(draft_config, draft_arch, tensors, max_model_len, native=native)
+        pool = _draft_pool_bytes(config, kv, draft_arch.num_layers, draft_arch.num_kv_heads, draft_arch.head_dim)
+        return {"draft model weights": weights.total, "draft model KV pool": pool}
+    # EAGLE / Medusa heads: a few MB, loaded and packed as the proposer does to count them.
+    from pagedllm.spec_decode.packed_linear import PackedLinear, pack_linears
+
+    if spec.method == "eagle":
+        from pagedllm.spec_decode.eagle import DEFAULT_EAGLE, EagleHead
+
+        head = EagleHead.load(Path(spec.model or DEFAULT_EAGLE), arch.hidden_size, arch.vocab_size)
+        c = head.config
+        out = {"EAGLE head": 0, "EAGLE KV pool": _draft_pool_bytes(config, kv, 1, c.num_kv_heads, c.head_dim)}
+    else:
+        from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads
+
+        head = MedusaHeads.load(Path(spec.model or DEFAULT_MEDUSA), arch.hidden_size, arch.vocab_size)
+        out = {"Medusa heads": 0}
+    pack_linears(head)
+    out[next(iter(out))] = _module_bytes(head)
+    if head.d2t is not None:  # the draft vocabulary's rows of the target's LM head
+        rows = torch.empty(len(head.d2t), arch.hidden_size)
+        out["draft LM-head rows"] = _grouped("Q8_0", *rows.shape) if PackedLinear.fits(rows) else rows.numel() * 4
+    return out
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every distinct storage a module's parameters, buffers and packed blocks live in."""
+    from pagedllm.spec_decode.packed_linear import PackedLinear
+
+    tensors = [*module.parameters(), *module.buffers()]
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            tensors += [t for t in (m.grouped, m.bias) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 # ------------------------------------------------------------------------- reading headers
@@ -414,7 +521,7 @@ def estimate(config: EngineConfig, context_len: int | None = None, native: bool 
     weights = estimate_weights(config, arch, tensors, max_model_len, native=native)
     kv = kv_capacity(config, arch, max_model_len, context_len)
     return CapacityReport(str(source.path), arch.architecture, str(config.torch_dtype).removeprefix("torch."), weights, kv,
-                          replicas=config.data_parallel_size)
+                          replicas=config.data_parallel_size, beside=beside_model(config, arch, max_model_len, kv, native))
 
 
 def startup_report(config: EngineConfig, source: ModelSource, max_model_len: int, dense: bool, native: bool) -> CapacityReport:
@@ -423,4 +530,5 @@ def startup_report(config: EngineConfig, source: ModelSource, max_model_len: int
     arch, tensors = read_tensors(source)
     weights = estimate_weights(config, arch, tensors, max_model_len, dense=dense, native=native)
     kv = kv_capacity(config, arch, max_model_len)
-    return CapacityReport(str(source.path), arch.architecture, str(config.torch_dtype).removeprefix("torch."), weights, kv)
+    return CapacityReport(str(source.path), arch.architecture, str(config.torch_dtype).removeprefix("torch."), weights, kv,
+                          beside=beside_model(config, arch, max_model_len, kv, native))

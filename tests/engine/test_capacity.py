@@ -122,3 +122,59 @@ def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
 @pytest.mark.parametrize("kwargs", [dict(kv_cache_space=0.5), dict(num_kv_blocks=300, dense_weights="no", max_model_len=2048)])
 def test_estimate_equals_default_model_engine(kwargs):
     check_against_engine(EngineConfig(**kwargs))
+
+
+# ------------------------------------------------------------------ beside the model
+def test_estimate_counts_lora_slots_panels_and_adapters(tiny_llama):
+    """LoRA's slot table, the panels a slot's first step packs, and the adapters kept loaded
+    (worst case: every module at the largest rank) are in the report, as the engine holds them."""
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=32, enable_lora=True, max_loras=2, max_lora_rank=8,
+                          max_cpu_loras=3)  # fmt: skip
+    beside = estimate(config).beside
+    engine = LLMEngine(config, log_stats_interval=0)
+    table = engine.runner.lora.table
+    assert beside["LoRA slots (2 x rank 8)"] == table.nbytes
+    panels = 0
+    for layer in table.layers:
+        for s in layer.values():
+            for slot in range(table.max_loras):
+                s.width[slot] = s.a.shape[2]  # a full slot, as an adapter of every module at rank 8
+                pa, pb = s._slot_panels(slot)
+                panels += pa.nbytes + pb.nbytes
+    assert beside["LoRA slot panels"] == panels
+    targets = table.targets
+    per_adapter = sum(8 * (cin + cout) * 4 for m, (cin, cout) in targets.shapes.items() if m not in ("qkv_proj", "gate_up_proj"))
+    assert beside["LoRA adapters loaded (up to 3)"] == 3 * targets.num_layers * per_adapter
+    # They count in the totals and are printed.
+    report = estimate(config)
+    assert report.to_dict()["total_bytes_all_replicas"] == report.weights.total + report.kv.pool_bytes + sum(beside.values())
+    assert any(line.startswith("beside the model: ") and "LoRA slots" in line for line in report.lines())
+
+
+def test_estimate_counts_the_draft_model_and_its_pool(tiny_llama):
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=24, block_size=8,
+                          speculative_config={"method": "draft_model", "model": str(tiny_llama)})  # fmt: skip
+    beside = estimate(config).beside
+    engine = LLMEngine(config, log_stats_interval=0)
+    drafter = engine.runner.proposer.drafter
+    assert beside["draft model weights"] == held_weight_bytes(drafter.model)
+    assert beside["draft model KV pool"] == sum(t.nbytes for k, v in drafter.cache.layers for p in (k, v) for t in cache_parts(p))
+    # Prompt lookup and no speculation hold nothing beside the model.
+    assert estimate(EngineConfig(model=str(tiny_llama), num_kv_blocks=24, speculative_config={"method": "ngram"})).beside == {}
+    assert estimate(EngineConfig(model=str(tiny_llama), num_kv_blocks=24)).beside == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_estimate_counts_the_shipped_heads(method):
+    from pagedllm.engine.capacity import _module_bytes
+
+    config = EngineConfig(num_kv_blocks=64, speculative_config={"method": method})
+    beside = estimate(config).beside
+    engine = LLMEngine(config, log_stats_interval=0)
+    drafter = engine.runner.proposer.drafter
+    head = drafter.head if method == "eagle" else drafter.heads
+    assert beside["EAGLE head" if method == "eagle" else "Medusa heads"] == _module_bytes(head)
+    assert beside["draft LM-head rows"] == drafter.lm_head.grouped.nbytes
+    if method == "eagle":
+        assert beside["EAGLE KV pool"] == sum(t.nbytes for k, v in drafter.cache.layers for p in (k, v) for t in cache_parts(p))
