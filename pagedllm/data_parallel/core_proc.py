@@ -147,7 +147,8 @@ class EngineCore:
     def add_all(self, items: list[tuple[str, ProcessedRequest]], max_waiting: int | None,
                 output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> None:  # fmt: skip
         """Add every item or none (a failure withdraws the ones already added)."""
-        check_queue_room(self.engine.num_waiting(), len(items), max_waiting, " in this replica")
+        adding = sum(processed.queue_entries for _, processed in items)
+        check_queue_room(self.engine.num_waiting(), adding, max_waiting, " in this replica")
         added: list[str] = []
         try:
             for request_id, processed in items:

@@ -344,7 +344,8 @@ class AsyncLLM(RequestStreams):
 
     def _add_all(self, items: list[tuple[str, ProcessedRequest, _Stream]]) -> None:
         """Add every item or none (a failure withdraws the ones already added)."""
-        check_queue_room(self.num_waiting(), len(items), self.max_waiting_requests)
+        adding = sum(processed.queue_entries for _, processed, _ in items)
+        check_queue_room(self.num_waiting(), adding, self.max_waiting_requests)
         added: list[str] = []
         try:
             for request_id, processed, stream in items:

@@ -17,13 +17,16 @@ class EngineOverloadedError(RuntimeError):
 def check_queue_room(waiting: int, adding: int, cap: int | None, where: str = "") -> None:
     """Room for ``adding`` requests in a queue of at most ``cap`` waiting ones (None: no cap).
 
-    More than ``cap`` at once is the request's fault (a ValueError: retrying never helps);
-    more than the room left now is overload (the client may retry).
+    Both sides count what the waiting gauge counts: one per sample (n, or best_of, of each
+    prompt; ``ProcessedRequest.queue_entries``). More than ``cap`` at once is the request's
+    fault (a ValueError: retrying never helps); more than the room left now is overload (the
+    client may retry).
     """
     if cap is None:
         return
     if adding > cap:
-        raise ValueError(f"prompt has {adding} prompts; the server queues at most {cap} (max_waiting_requests)")
+        raise ValueError(f"the request makes {adding} requests to queue (one per prompt and sample, n or best_of); "
+                         f"the server queues at most {cap} (max_waiting_requests)")  # fmt: skip
     if waiting + adding > cap:
         raise EngineOverloadedError(
             f"the server is overloaded: {waiting} requests are waiting{where} (max_waiting_requests={cap}); retry later"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from pagedllm.engine.best_of import wants_best_of
 from pagedllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text alongside).
@@ -32,6 +33,15 @@ class ProcessedRequest:
     # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks (so one
     # tenant cannot learn another's prompts from cache-hit timing).
     cache_salt: str | None = None
+
+    @property
+    def queue_entries(self) -> int:
+        """Waiting requests adding this one makes, as ``LLMEngine.num_waiting`` counts them: one
+        per sample (n, or best_of), one per beam search."""
+        params = self.sampling_params
+        if params.use_beam_search:
+            return 1
+        return params.best_of if wants_best_of(params) else params.n
 
 
 class InputProcessor:

@@ -126,6 +126,14 @@ def test_waiting_cap_refuses_a_whole_batch(tiny_llama):
         streams = await llm.add_requests([{"prompt_token_ids": [5]}] * 2, params, ["d", "e"])
         for s in streams:
             assert [o async for o in s][-1].finished
+        # The queue counts samples (the waiting gauge does): one prompt of n = 3 is 3 requests.
+        with pytest.raises(ValueError, match="makes 3 requests to queue"):
+            await llm.add_request({"prompt_token_ids": [5]}, SamplingParams(max_tokens=2, n=3), "f")
+        with pytest.raises(ValueError, match="makes 3 requests to queue"):
+            await llm.add_request({"prompt_token_ids": [5]}, SamplingParams(max_tokens=2, n=1, best_of=3), "g")
+        s = await llm.add_request({"prompt_token_ids": [5]}, SamplingParams(max_tokens=2, n=2), "h")
+        outs = [o async for o in s]
+        assert outs[-1].finished and {c.index for o in outs for c in o.outputs} == {0, 1}
 
     try:
         asyncio.run(scenario())
