@@ -254,15 +254,15 @@ def _drafter_bytes(config: EngineConfig, arch: ModelArch, max_model_len: int, kv
         from pagedllm.spec_decode.eagle import DEFAULT_EAGLE, EagleHead
 
         head = EagleHead.load(Path(spec.model or DEFAULT_EAGLE), arch.hidden_size, arch.vocab_size)
+        pack_linears(head)
         c = head.config
-        out = {"EAGLE head": 0, "EAGLE KV pool": _draft_pool_bytes(config, kv, 1, c.num_kv_heads, c.head_dim)}
+        out = {"EAGLE head": _module_bytes(head), "EAGLE KV pool": _draft_pool_bytes(config, kv, 1, c.num_kv_heads, c.head_dim)}
     else:
         from pagedllm.spec_decode.medusa import DEFAULT_MEDUSA, MedusaHeads
 
         head = MedusaHeads.load(Path(spec.model or DEFAULT_MEDUSA), arch.hidden_size, arch.vocab_size)
-        out = {"Medusa heads": 0}
-    pack_linears(head)
-    out[next(iter(out))] = _module_bytes(head)
+        pack_linears(head)
+        out = {"Medusa heads": _module_bytes(head)}
     if head.d2t is not None:  # the draft vocabulary's rows of the target's LM head
         rows = torch.empty(len(head.d2t), arch.hidden_size)
         out["draft LM-head rows"] = _grouped("Q8_0", *rows.shape) if PackedLinear.fits(rows) else rows.numel() * 4
