@@ -37,3 +37,33 @@ def test_bad_flag_values_are_usage_errors(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    # vLLM flags that would size or change something here are refused with what to use instead.
+    (["serve", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's .* --kv-cache-space"),
+    (["serve", "--tokenizer", "x"], "--tokenizer is vLLM's .* read from the model"),
+    (["serve", "--chat-template", "t.jinja"], "--chat-template is vLLM's .* --trust-request-chat-template"),
+    # An unknown flag is named in the subcommand's usage (the top level's said nothing useful).
+    (["serve", "--no-such-flag"], r"usage: pagedllm serve [\s\S]*pagedllm serve: error: unrecognized arguments: --no-such-flag"),
+    (["bench", "latency", "--no-such-flag"], r"pagedllm bench latency: error: unrecognized arguments: --no-such-flag"),
+    (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice: a.gguf and --model b.gguf"),
+])  # fmt: skip
+def test_vllm_flags_and_unknown_flags_are_explained(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(message, err), err
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch, tiny_llama):
+    """``pagedllm serve MODEL`` as ``vllm serve MODEL``; the harmless vLLM flags are accepted."""
+    from pagedllm.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "run_server", lambda args, config: seen.update(args=args, config=config) or 0)
+    assert main(["serve", str(tiny_llama), "--enforce-eager", "--trust-remote-code", "--disable-log-requests"]) == 0
+    assert seen["config"].model == str(tiny_llama) and seen["args"].model == str(tiny_llama)
+    assert main(["serve", "--model", str(tiny_llama)]) == 0 and seen["config"].model == str(tiny_llama)
+    assert main(["serve", str(tiny_llama), "--model", str(tiny_llama)]) == 0
