@@ -284,11 +284,17 @@ class EngineConfig:
     # each its own process with its own model copy and KV pool (kv_cache_space is per replica),
     # behind one API server's load balancer. 1 = the engine runs in the server's own process.
     data_parallel_size: int = 1
+    # The checkpoint's generation_config.json (model/generation_config.py), as vLLM: "auto"
+    # (its recommended sampling is the default of requests that leave it out, its eos ids end
+    # replies), "vllm" (ignored), or a directory holding such a file.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
         # ("false" would read as true: prefix caching or LoRA on when asked off)
         check_bools(self, ("packed_weights", "enable_prefix_caching", "enable_lora"))
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         if not is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -20,6 +20,7 @@ from pagedllm.kernels.ops import native_available
 from pagedllm.kv_cache.groups import KVCacheLayout
 from pagedllm.memory import drop_file_pages, trim_heap, weight_files
 from pagedllm.model.arch import ModelArch
+from pagedllm.model.generation_config import GenerationDefaults, read_generation_config
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.registry import model_class
 from pagedllm.model.weight_arena import gather_packed
@@ -64,6 +65,7 @@ class LoadedModel:
     max_model_len: int
     times: StartupTimes
     dense_copy: bool = True  # quantized weights also kept as fp32 (placement's decision)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
 
 
 @dataclass
@@ -131,20 +133,23 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
         moved = gather_packed(model)  # the blocks small steps stream, in one huge-page buffer
     if moved:
         logger.info("GGUF blocks for small steps: %.1f MiB in one huge-page buffer, in layer order", moved / (1 << 20))
-    tok, eos = None, frozenset(arch.eos_token_ids)
+    tok, eos, generation = None, frozenset(arch.eos_token_ids), GenerationDefaults()
     if tokenizer:
         with times.phase("tokenizer"):
-            tok, eos = load_tokenizer_and_eos(source, arch)
+            generation = read_generation_config(config.generation_config, source.path)
+            tok, eos = load_tokenizer_and_eos(source, arch, generation)
     # What loading left resident for nothing (memory.py): the weight files' pages it read and
     # the heap's freed copies.
     drop_file_pages(weight_files(source.path))
     trim_heap()
-    return LoadedModel(source, arch, model, tok, eos, max_model_len, times, placement.dense)
+    return LoadedModel(source, arch, model, tok, eos, max_model_len, times, placement.dense, generation)
 
 
-def load_tokenizer_and_eos(source: ModelSource, arch: ModelArch) -> tuple[Any | None, frozenset[int]]:
+def load_tokenizer_and_eos(source: ModelSource, arch: ModelArch, generation: GenerationDefaults) -> tuple[Any | None, frozenset[int]]:
+    """The tokenizer, and every id that ends a reply: the model's, the tokenizer's and those
+    of generation_config.json."""
     tokenizer = load_tokenizer(source)
-    eos = set(arch.eos_token_ids)
+    eos = set(arch.eos_token_ids) | set(generation.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return tokenizer, frozenset(eos)
@@ -160,6 +165,7 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     max_model_len: int
     times: StartupTimes
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def load_model_info(config: EngineConfig) -> ModelInfo:
@@ -170,11 +176,12 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     with times.phase("tokenizer"):
         source = resolve_model(config.model)
         arch, _ = read_tensors(source)
-        tokenizer, eos = load_tokenizer_and_eos(source, arch)
+        generation = read_generation_config(config.generation_config, source.path)
+        tokenizer, eos = load_tokenizer_and_eos(source, arch, generation)
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
-    return ModelInfo(source, arch, tokenizer, eos, max_model_len, times)
+    return ModelInfo(source, arch, tokenizer, eos, max_model_len, times, generation)
 
 
 def load_draft_model(config: EngineConfig, max_model_len: int, vocab_size: int) -> LlamaForCausalLM:

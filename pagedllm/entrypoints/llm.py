@@ -14,6 +14,8 @@ from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.progress import ProgressBar
 from pagedllm.logger import configure_logging
+from pagedllm.model.generation_config import default_sampling_params, read_generation_config
+from pagedllm.model.loader import resolve_model
 from pagedllm.lora.request import LoRARequest
 from pagedllm.threads import configure_threads
 from pagedllm.outputs import RequestOutput
@@ -39,6 +41,8 @@ class LLM:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         config = EngineConfig(model=model, **engine_args)
         self.scheduling_policy = config.scheduling_policy
+        # The model's generation_config.json: the default of sampling_params=None (as vLLM).
+        self._generation = read_generation_config(config.generation_config, resolve_model(config.model).path)
         # Process-wide settings belong to the entry point, not to the engine.
         configure_logging()
         # The engine is stepped by the calling thread: calls from several threads take turns
@@ -53,6 +57,11 @@ class LLM:
             return
         configure_threads()
         self.llm_engine = LLMEngine(config, log_stats_interval=log_stats_interval)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``/``chat`` use when given no sampling_params: SamplingParams() with
+        the values of the model's generation_config.json (``generation_config="vllm"``: none)."""
+        return default_sampling_params(self._generation)
 
     def get_tokenizer(self) -> Any:
         if self.data_parallel is not None:
@@ -131,7 +140,7 @@ class LLM:
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):

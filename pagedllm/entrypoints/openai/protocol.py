@@ -180,23 +180,33 @@ class _SamplingFields(_TextBody):
         return next(iter(given.values()), None)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                         **extra: Any) -> SamplingParams:  # fmt: skip
+                         defaults: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:  # fmt: skip
+        """``defaults``: the model's generation_config.json values (model/generation_config.py)
+        for the fields the request left out, as vLLM; its max_tokens caps the request's."""
+        defaults = defaults or {}
         logit_bias = None
         if self.logit_bias is not None:
             try:
                 logit_bias = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError as e:
                 raise ValueError(f"logit_bias keys must be token ids: {e}") from e
+
+        def given(name: str, default: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, default)
+
+        if "max_tokens" in defaults:
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
@@ -272,7 +282,7 @@ class CompletionRequest(_SamplingFields):
             return [{"prompt_token_ids": list(x)} for x in p]
         raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
@@ -280,7 +290,7 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of > n is not supported with stream (the best samples are known only at the end)")
         if self.use_beam_search and self.temperature is None:
             self.temperature = 0.0  # beam search is deterministic; OpenAI clients send no temperature
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, best_of=self.best_of,
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, defaults, best_of=self.best_of,
                                      use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
                                      early_stopping=self.early_stopping)  # fmt: skip
 
@@ -316,13 +326,13 @@ class ChatCompletionRequest(_SamplingFields):
             return TEXT_PART_SEPARATOR.join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         return content if isinstance(content, str) else ""
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Without max_tokens, the engine lets the reply run to the longest context it can hold."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults=defaults)
 
 
 class TokenizeRequest(_TextBody):

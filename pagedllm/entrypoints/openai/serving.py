@@ -18,6 +18,7 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 from pagedllm.entrypoints.openai.tool_parsers import StreamingToolCalls, ToolCall, get_tool_parser
 from pagedllm.entrypoints.openai.tools import ToolChoice, resolve_tool_choice
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model.generation_config import read_generation_config
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler.policy import check_priority
@@ -170,6 +171,8 @@ class OpenAIServing:
         self.max_model_len = llm.engine.max_model_len
         self.trust_request_chat_template = trust_request_chat_template
         self.scheduling_policy = llm.engine.config.scheduling_policy
+        # The model's generation_config.json: defaults of the sampling fields a request leaves out.
+        self.sampling_defaults = read_generation_config(llm.engine.config.generation_config, llm.engine.source.path).sampling
         # LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter): the request's
         # ``model`` picks one; the base model is ``served_model_name``.
         self.loras: dict[str, LoRARequest] = {}
@@ -223,7 +226,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         req.check_supported()
         check_priority(req.priority, self.scheduling_policy)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
         prompts = req.prompts()
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise ValueError(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS_PER_REQUEST} per request")
@@ -370,7 +373,7 @@ class OpenAIServing:
         )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
         constraint = tools.constraint() if tools is not None else None
         if constraint is not None:
             if params.structured_outputs is not None:
