@@ -321,11 +321,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return check_model(req.model) or respond(await _unless_disconnected(request, serving.completion(req)))
+        return check_model(req.model) or respond(await _unless_disconnected(request, serving.completion(req, request.headers.get("x-request-id"))))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return check_model(req.model) or respond(await _unless_disconnected(request, serving.chat(req)))
+        return check_model(req.model) or respond(await _unless_disconnected(request, serving.chat(req, request.headers.get("x-request-id"))))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:

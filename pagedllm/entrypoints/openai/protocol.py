@@ -41,7 +41,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "documents": bool,
 }
 # OpenAI fields that change nothing here, accepted silently.
-_HARMLESS = {"user", "store", "metadata", "service_tier", "reasoning_effort", "request_id"}
+_HARMLESS = {"user", "store", "metadata", "service_tier", "reasoning_effort"}
 _logged_unknown: set[str] = set()
 
 
@@ -83,7 +83,7 @@ def _takes_none(field: Any) -> bool:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default once stream_options is given
     continuous_usage_stats: bool = False
 
 
@@ -128,6 +128,7 @@ class _SamplingFields(_TextBody):
     bad_words: list[str] | None = None
     priority: int = 0
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
+    request_id: str | None = None  # vLLM's: the response's id is "cmpl-"/"chatcmpl-" + this (X-Request-Id wins)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* names (aliases; at most one of them per request).
     response_format: dict[str, Any] | None = None
@@ -328,7 +329,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Without max_tokens, the engine lets the reply run to the longest context it can hold."""
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # (0 asks for nothing: accepted, as vLLM)
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

@@ -47,6 +47,22 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+def response_and_engine_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """The response's ``id`` and the engine's base request id. A client's id (X-Request-Id, else
+    the body's request_id, as vLLM) names the response; the engine's id gets a random suffix,
+    so two requests with the same client id never collide in the engine."""
+    if client_id is None:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return rid, rid
+    if not client_id or len(client_id) > MAX_REQUEST_ID_CHARS or not client_id.isprintable():
+        raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable characters (the body's field or X-Request-Id)")
+    rid = f"{prefix}-{client_id}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
 def _request_ids(base_id: str, n_prompts: int) -> list[str]:
     return [base_id if n_prompts == 1 else f"{base_id}-{i}" for i in range(n_prompts)]
 
@@ -223,7 +239,8 @@ class OpenAIServing:
         return self.llm.engine.output_processor._decode_one(token_id) if self.tokenizer is not None else ""
 
     # ------------------------------------------------------------------ completions
-    async def completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def completion(self, req: CompletionRequest, client_id: str | None = None) -> dict | AsyncIterator[str]:
+        """``client_id``: the X-Request-Id header (else the body's request_id names the response)."""
         req.check_supported()
         check_priority(req.priority, self.scheduling_policy)
         params = req.to_sampling_params(self.sampling_defaults)
@@ -232,11 +249,11 @@ class OpenAIServing:
             raise ValueError(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS_PER_REQUEST} per request")
         if not req.add_special_tokens:
             prompts = await self._without_special_tokens(prompts)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid, engine_id = response_and_engine_ids("cmpl", client_id or req.request_id)
         created = int(time.time())
-        streams = await _start(self.llm, prompts, params, rid, req.priority, self.loras.get(req.model or ""), req.cache_salt)
+        streams = await _start(self.llm, prompts, params, engine_id, req.priority, self.loras.get(req.model or ""), req.cache_salt)
         if req.stream:
-            ids = _request_ids(rid, len(prompts))
+            ids = _request_ids(engine_id, len(prompts))
             return _aborting_on_exit(self.llm, ids, self._completion_stream(req, params, streams, rid, created))
         n = params.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
@@ -272,6 +289,7 @@ class OpenAIServing:
             "object": "text_completion",
             "created": created,
             "model": self.response_model(req),
+            "system_fingerprint": None,
             "choices": data,
             "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
         }
@@ -280,12 +298,13 @@ class OpenAIServing:
         n = params.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         completion_tokens = 0
         echoed: set[int] = set()
         text_offsets: dict[int, int] = {}  # per choice: the text_offset its next chunk starts at
         prompt_lps: dict[int, list] = {}  # delta outputs carry prompt logprobs once, early
         async for i, out in _merge(streams):
-            prompt_tokens[i] = len(out.prompt_token_ids)
+            prompt_tokens[i], cached_tokens[i] = len(out.prompt_token_ids), out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 prompt_lps[i] = out.prompt_logprobs
             for c in out.outputs:
@@ -325,7 +344,7 @@ class OpenAIServing:
                     "created": created,
                     "model": self.response_model(req),
                     "choices": [],
-                    "usage": _usage(sum(prompt_tokens.values()), completion_tokens),
+                    "usage": _usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values())),
                 }
             )
         yield "data: [DONE]\n\n"
@@ -355,7 +374,7 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     # ------------------------------------------------------------------ chat
-    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, client_id: str | None = None) -> dict | AsyncIterator[str]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat")
         req.check_supported()
@@ -386,13 +405,13 @@ class OpenAIServing:
             params = replace(params, structured_outputs=constraint)
         if tools is not None and tools.mode == "none":
             tools = None
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, engine_id = response_and_engine_ids("chatcmpl", client_id or req.request_id)
         created = int(time.time())
-        streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, rid, req.priority,
+        streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, engine_id, req.priority,
                                self.loras.get(req.model or ""), req.cache_salt)  # fmt: skip
         if req.stream:
             return _aborting_on_exit(
-                self.llm, [rid], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids), tools)
+                self.llm, [engine_id], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids), tools)
             )
         choices = [_Choice() for _ in range(params.n)]
         cached_tokens = 0
@@ -402,13 +421,13 @@ class OpenAIServing:
         data = []
         echo = req.echo_text()
         for idx, ch in enumerate(choices):
-            message: dict[str, Any] = {"role": "assistant", "content": echo + ch.text}
+            message: dict[str, Any] = {"role": "assistant", "content": echo + ch.text, "tool_calls": []}
             finish_reason = ch.finish_reason
             content, calls = self._tool_calls(tools, ch.text) if ch.finish_reason != "length" else (None, None)
             if calls:
                 content = echo + content if echo else content
                 message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-                finish_reason = "tool_calls"
+                finish_reason = _calls_finish_reason(tools, finish_reason)
             data.append(
                 {
                     "index": idx,
@@ -423,6 +442,7 @@ class OpenAIServing:
             "object": "chat.completion",
             "created": created,
             "model": self.response_model(req),
+            "system_fingerprint": None,
             "choices": data,
             "usage": _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in choices), cached_tokens),
         }
@@ -455,9 +475,10 @@ class OpenAIServing:
             if echo:
                 yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}],
                             with_usage=include_usage)  # fmt: skip
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         calls = [_ToolStream(tools, self.tool_parser) for _ in range(params.n)] if tools is not None else None
         async for out in stream:
+            cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
@@ -469,7 +490,7 @@ class OpenAIServing:
                 else:
                     delta, made_calls = calls[c.index].delta(c.text, c.finish_reason)
                     if made_calls:
-                        finish_reason = "tool_calls"
+                        finish_reason = _calls_finish_reason(tools, finish_reason)
                     if not delta and finish_reason is None and logprobs is None:
                         continue
                 yield chunk(
@@ -477,7 +498,7 @@ class OpenAIServing:
                     with_usage=include_usage,
                 )
         if include_usage:
-            yield chunk([], _usage(num_prompt_tokens, completion_tokens), with_usage=True)
+            yield chunk([], _usage(num_prompt_tokens, completion_tokens, cached_tokens), with_usage=True)
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], k: int) -> dict:
@@ -545,6 +566,12 @@ class _ToolStream:
         if not calls:
             return {"content": self.text}, False
         return {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, True
+
+
+def _calls_finish_reason(tools: ToolChoice, finish_reason: str | None) -> str | None:
+    """A reply that called tools ends with "tool_calls", unless the request named the function
+    (then the call was not the model's choice: "stop", as OpenAI and vLLM answer)."""
+    return finish_reason if tools.mode == "named" else "tool_calls"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

@@ -1,0 +1,77 @@
+"""Request and response details a vLLM user relies on, through a real server (a
+vLLM-compatibility sweep found each one different): the client's request id names the
+response, usage in a stream carries cached tokens, ``stream_options: {}`` includes usage,
+``top_logprobs: 0`` needs no ``logprobs``, a chat message always has ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from tests.entrypoints.server_utils import ServerProcess
+
+ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "400", "--max-model-len", "512"]
+MESSAGES = [{"role": "user", "content": "Tell me about the sea and the sky in a long answer, please, with details."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_tok):
+    srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS])
+    yield srv
+    assert srv.stop() == 0
+
+
+def post(server, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers or {}, timeout=120)
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_the_clients_request_id_names_the_response(server):
+    body = {"prompt": "Hello", "max_tokens": 3}
+    assert post(server, "/v1/completions", {**body, "request_id": "abc-1"}).json()["id"] == "cmpl-abc-1"
+    # The X-Request-Id header wins over the body's field, as in vLLM; chat too.
+    r = post(server, "/v1/completions", {**body, "request_id": "abc-1"}, {"X-Request-Id": "hdr-7"})
+    assert r.json()["id"] == "cmpl-hdr-7"
+    r = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3}, {"X-Request-Id": "hdr-8"})
+    assert r.json()["id"] == "chatcmpl-hdr-8"
+    chunks = sse(post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "stream": True, "request_id": "s-1"}))
+    assert {c["id"] for c in chunks} == {"chatcmpl-s-1"}
+    # Two requests with one id at the same time both run (the engine's ids stay distinct).
+    results: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: results.append(post(server, "/v1/completions", {**body, "max_tokens": 20},
+                                                                     {"X-Request-Id": "same"}))) for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200, 200] and {r.json()["id"] for r in results} == {"cmpl-same"}
+    bad = post(server, "/v1/completions", {**body, "request_id": "x" * 300})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+
+
+def test_streamed_usage_counts_cached_tokens_and_stream_options_default_to_usage(server):
+    body = {"messages": MESSAGES, "max_tokens": 4, "stream": True}
+    post(server, "/v1/chat/completions", {**body, "stream": False})  # the prompt's blocks are cached now
+    usage = sse(post(server, "/v1/chat/completions", {**body, "stream_options": {}}))[-1]["usage"]  # include_usage: vLLM's default
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16
+    usage = sse(post(server, "/v1/completions", {"prompt": MESSAGES[0]["content"], "max_tokens": 2, "stream": True,
+                                                 "stream_options": {"include_usage": True}}))[-1]["usage"]  # fmt: skip
+    assert "prompt_tokens_details" in usage
+    chunks = sse(post(server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": False}}))
+    assert all("usage" not in c or c["usage"] is None for c in chunks)
+
+
+def test_chat_response_shape(server):
+    r = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "top_logprobs": 0})
+    assert r.status_code == 200, r.text  # top_logprobs 0 asks for nothing: no logprobs needed
+    body = r.json()
+    assert body["choices"][0]["message"]["tool_calls"] == [] and body["system_fingerprint"] is None
+    assert post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "top_logprobs": 2}).status_code == 400
