@@ -219,7 +219,7 @@ class BeamSearch:
         finish: the engine spun forever.)"""
         bs = self.kv.block_size
         full = -(-(prompt_len + max_tokens) // bs) + (width - 1) * (-(-max_tokens // bs) + 1)
-        chunk = self.scheduler.config.max_num_batched_tokens
+        chunk = self.scheduler.config.max_request_tokens
         return sum(full if w is None else min(full, width * (-(-(w - 1 + chunk) // bs) + 1)) for w in self.kv.windows)
 
     def longest_fit(self, prompt_len: int, width: int, max_tokens: int) -> int:

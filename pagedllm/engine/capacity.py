@@ -30,6 +30,7 @@ from pagedllm.kv_cache.kv_cache_manager import max_blocks_held
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.loader import ModelSource, resolve_model
 from pagedllm.quantization.placement import decide as decide_placement
+from pagedllm.scheduler.scheduler import max_request_tokens
 
 GIB = 1 << 30
 # The kernels' layouts (kernels/reference.py): 16-row panels and groups, 32-weight blocks.
@@ -85,7 +86,7 @@ class KVCapacity:
     num_layers: int
     kv_dtype: str
     max_model_len: int
-    max_num_batched_tokens: int
+    max_request_tokens: int  # the most tokens one request runs in a step (scheduler.max_request_tokens)
     windows: tuple[int | None, ...]
     context_len: int  # the context length the concurrency figure is for
 
@@ -104,7 +105,7 @@ class KVCapacity:
         return self.num_blocks * self.block_size // self.num_groups
 
     def blocks_per_request(self, num_tokens: int) -> int:
-        return max_blocks_held(self.windows, self.block_size, num_tokens, self.max_num_batched_tokens)
+        return max_blocks_held(self.windows, self.block_size, num_tokens, self.max_request_tokens)
 
     @property
     def max_concurrency(self) -> int:
@@ -503,7 +504,9 @@ def kv_capacity(config: EngineConfig, arch: ModelArch, max_model_len: int, conte
     return KVCapacity(
         config.block_size, sizes.num_blocks, sizes.block_bytes, len(sizes.layout.groups), arch.num_layers,
         resolve_kv_cache_dtype(config.kv_cache_dtype, config.torch_dtype).name, max_model_len,
-        config.max_num_batched_tokens, sizes.layout.windows, context,
+        max_request_tokens(config.max_num_batched_tokens, config.long_prefill_token_threshold,
+                           config.speculative_config.num_speculative_tokens if config.speculative_config else 0),
+        sizes.layout.windows, context,
     )  # fmt: skip
 
 

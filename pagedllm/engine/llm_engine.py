@@ -77,6 +77,7 @@ class LLMEngine:
                 scheduling_policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
             ),
             self.kv_cache_manager,
         )
@@ -221,12 +222,12 @@ class LLMEngine:
         best_of = wants_best_of(params)  # engine/best_of.py: best_of samples, the n best returned at the end
         sampled = expand_best_of(params) if best_of else params
         ids = [request_id] if sampled.n == 1 else [f"{i}_{request_id}" for i in range(sampled.n)]
-        # Checked before best_of.add: a refused id must change nothing.
+        # Checked first: a refused id must change nothing.
         taken = next((i for i in dict.fromkeys([request_id, *ids]) if self._id_in_use(i)), None)
         if taken is not None:
             raise ValueError(f"request_id {request_id!r} is already in use" + ("" if taken == request_id else f" (by {taken!r})"))
+        asked = params
         if best_of:
-            self.best_of.add(request_id, params)
             params, output_kind = sampled, RequestOutputKind.FINAL_ONLY
         samples = [
             Request(
@@ -249,6 +250,8 @@ class LLMEngine:
             self.structured.add(samples)
         else:
             self.parallel.add(samples)
+        if best_of:  # (after the checks above: a refused request leaves no pick behind)
+            self.best_of.add(request_id, asked)
         self.output_processor.add(samples, output_kind)
         self._samples_of[request_id] = [r.request_id for r in samples]
         return request_id

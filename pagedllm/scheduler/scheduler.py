@@ -48,6 +48,19 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
     # LoRA: most distinct adapters among running requests (one slot each); 0 = LoRA off.
     max_loras: int = 0
+    num_speculative_tokens: int = 0  # drafts a step may verify after a request's known tokens
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request runs in a step (what a sliding-window group's blocks
+        grow with): a chunk of at most long_prefill_token_threshold, then its drafts."""
+        return max_request_tokens(self.max_num_batched_tokens, self.long_prefill_token_threshold, self.num_speculative_tokens)
+
+
+def max_request_tokens(max_num_batched_tokens: int, long_prefill_token_threshold: int, num_speculative_tokens: int) -> int:
+    if long_prefill_token_threshold <= 0:
+        return max_num_batched_tokens
+    return min(max_num_batched_tokens, long_prefill_token_threshold + num_speculative_tokens)
 
 
 class Scheduler:
@@ -74,7 +87,7 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
-        needed = self.kv.max_blocks_held(total, self.config.max_num_batched_tokens)
+        needed = self.kv.max_blocks_held(total, self.config.max_request_tokens)
         if needed > self.kv.num_blocks:
             raise ValueError(
                 f"max_tokens ({request.max_tokens}) with the prompt ({request.num_prompt_tokens} tokens) needs {needed} KV "

@@ -62,7 +62,7 @@ def check_against_engine(config: EngineConfig) -> None:
         with pytest.raises(ValueError, match="KV blocks"):
             sched.check_request(too_long)
     # Concurrency: that many requests of context_len hold at most the pool.
-    per_request = engine.kv_cache_manager.max_blocks_held(kv.context_len, config.max_num_batched_tokens)
+    per_request = engine.kv_cache_manager.max_blocks_held(kv.context_len, engine.scheduler.config.max_request_tokens)
     assert kv.max_concurrency == engine.kv_cache_manager.num_blocks // per_request
 
 

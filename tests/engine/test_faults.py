@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, check_queue_room
 from pagedllm.engine.faults import FaultInjector
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import INT64_MAX, StructuredOutputsParams
 
 MARK = 77
@@ -326,3 +327,18 @@ def test_only_the_engine_thread_runs_torch_on_several_threads(tiny_llama):
         assert asyncio.run(llm.call_in_engine(lambda _engine: counts())) == ("pagedllm-engine", cores)
     finally:
         llm.shutdown()
+
+
+def test_a_refused_best_of_request_leaves_nothing_behind(tiny_llama):
+    """A best_of request the KV pool can never hold is refused, and its id then serves another
+    request whole (its pick stayed behind and cut that request's outputs to the refused one's n;
+    found by an adversarial review)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, block_size=4, max_model_len=128), log_stats_interval=0)
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request({"prompt_token_ids": list(range(10, 50))}, SamplingParams(best_of=2, n=1, max_tokens=4), "x")
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(n=2, max_tokens=3, seed=1, logprobs=1), "x")
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert len(outs["x"].outputs) == 2 and all(c.logprobs is not None for c in outs["x"].outputs)

@@ -282,3 +282,29 @@ GroupedKVContentMachine.TestCase.settings = settings(
     max_examples=250, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestGroupedKVContentMachine = GroupedKVContentMachine.TestCase
+
+
+def test_admission_bounds_a_sliding_group_by_the_long_prefill_cap():
+    """A sliding group holds the window plus one step's chunk; with long_prefill_token_threshold
+    that chunk is the cap (plus drafts), not the whole budget: a request that runs in the pool
+    is admitted (it was refused, found by an adversarial review), and runs within the bound."""
+    from pagedllm.request import Request
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(num_blocks=8, block_size=4, windows=(6,))
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=512, long_prefill_token_threshold=5)
+    assert config.max_request_tokens == 5
+    assert SchedulerConfig(2, 32, 512, long_prefill_token_threshold=5, num_speculative_tokens=3).max_request_tokens == 8
+    assert SchedulerConfig(2, 32, 512).max_request_tokens == 32
+    assert kv.max_blocks_held(60, 32) > 8 >= kv.max_blocks_held(60, 5)  # refused before, fits now
+    sched = Scheduler(config, kv)
+    req = Request("r", None, list(range(10, 50)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    sched.add_request(req)
+    most = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert not out.preempted_ids and out.scheduled
+        most = max(most, kv.num_blocks - kv.num_free_blocks)
+        sched.update_from_output(out, [[7] if s.samples else [] for s in out.scheduled])
+    assert most <= kv.max_blocks_held(60, 5) and len(req.output_token_ids) == 20
