@@ -254,6 +254,15 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
         assert srv.metric("pagedllm:request_prompt_tokens_count") == srv.metric("pagedllm:request_generation_tokens_count") == 10
         assert srv.metric("pagedllm:request_prompt_tokens_sum") == prompt_sum
         assert srv.metric("pagedllm:request_generation_tokens_sum") == completion_sum
+        # vLLM's phase histograms, one per finished request; prefill + decode = inference (running).
+        for name in ("prefill", "decode", "inference", "time_per_output_token"):
+            assert srv.metric(f"pagedllm:request_{name}_time_seconds_count" if name != "time_per_output_token"
+                              else "pagedllm:request_time_per_output_token_seconds_count") == 10, name  # fmt: skip
+        phases = srv.metric("pagedllm:request_prefill_time_seconds_sum") + srv.metric("pagedllm:request_decode_time_seconds_sum")
+        assert phases == pytest.approx(srv.metric("pagedllm:request_inference_time_seconds_sum"), abs=1e-6)
+        # Every finish reason's series exists from the start (0 for abort here), as vLLM's.
+        text = httpx.get(f"{srv.url}/metrics", timeout=5).text
+        assert all(f'finished_reason="{r}"' in text for r in ("stop", "length", "abort", "error"))
     finally:
         assert srv.stop() == 0
 

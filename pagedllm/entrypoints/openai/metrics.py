@@ -98,6 +98,8 @@ class ServerMetrics:
         self.request_success = Counter(
             "pagedllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
         )
+        for reason in ("stop", "length", "abort", "error"):  # every series from the start, as vLLM (dashboards see 0s)
+            self.request_success.labels(finished_reason=reason, **labels)
         self.labels = labels
         self.rejected = Counter(
             "pagedllm:num_requests_rejected",
@@ -109,6 +111,16 @@ class ServerMetrics:
         self.itl = Histogram("pagedllm:inter_token_latency_seconds", "Time between output tokens.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.queue_time = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduling.", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        # A finished request's phases (vLLM's names): prefill = first scheduled to first token,
+        # decode = first token to finish, inference = both; and its mean time per output token.
+        self.prefill_time = Histogram("pagedllm:request_prefill_time_seconds", "First scheduled to first token, per finished request.",
+                                      ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.decode_time = Histogram("pagedllm:request_decode_time_seconds", "First token to finish, per finished request.",
+                                     ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.inference_time = Histogram("pagedllm:request_inference_time_seconds", "First scheduled to finish (running, preemptions included), per finished request.",
+                                        ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.tpot = Histogram("pagedllm:request_time_per_output_token_seconds", "Decode time / (output tokens - 1) of each finished request with 2 or more tokens per sequence.",
+                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
         self.iteration_tokens = Histogram("pagedllm:iteration_tokens_total", "Tokens per engine step.", ["model_name"], buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)
         self.request_prompt_tokens = Histogram("pagedllm:request_prompt_tokens", "Prompt tokens per finished request.", ["model_name"],
                                                buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)  # fmt: skip
@@ -211,8 +223,19 @@ class ServerMetrics:
             self.request_success.labels(finished_reason=reason, **self.labels).inc()
             if m is not None:
                 self.e2e.observe(now - m.arrival_time)
-                if m.first_scheduled_time is not None:
-                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                self._record_phases(m, now, output_tokens // max(1, len(out.outputs)))
+
+    def _record_phases(self, m, now: float, tokens_per_sequence: int) -> None:
+        end = m.finished_time if m.finished_time is not None else now
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.inference_time.observe(end - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            self.decode_time.observe(end - m.first_token_time)
+            if tokens_per_sequence > 1:
+                self.tpot.observe((end - m.first_token_time) / (tokens_per_sequence - 1))
 
     def render(self) -> bytes:
         # (The KV connector's saves that finish between steps arrive with the engine's next
