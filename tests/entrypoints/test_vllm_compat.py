@@ -75,3 +75,22 @@ def test_chat_response_shape(server):
     body = r.json()
     assert body["choices"][0]["message"]["tool_calls"] == [] and body["system_fingerprint"] is None
     assert post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "top_logprobs": 2}).status_code == 400
+
+
+def test_echo_without_generation_scores_the_prompt(server):
+    """``echo`` with ``max_tokens: 0`` (vLLM's, how evaluation harnesses score a text): the prompt,
+    its logprobs, nothing generated; the same prompt logprobs as with a generated token."""
+    prompt = "The sea is blue and the sky is wide"
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = post(server, "/v1/completions", {**body, "max_tokens": 0}).json()
+    generated = post(server, "/v1/completions", {**body, "max_tokens": 1}).json()
+    choice = scored["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert scored["usage"]["completion_tokens"] == 0
+    n = scored["usage"]["prompt_tokens"]
+    lp, ref = choice["logprobs"], generated["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == n and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"] == ref["token_logprobs"][:n] and lp["tokens"] == ref["tokens"][:n]
+    for bad in ({"prompt": prompt, "max_tokens": 0}, {**body, "max_tokens": 0, "stream": True}):
+        r = post(server, "/v1/completions", bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

@@ -283,15 +283,24 @@ class CompletionRequest(_SamplingFields):
             return [{"prompt_token_ids": list(x)} for x in p]
         raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's echo without generation (``echo`` and ``max_tokens: 0``): the prompt and its
+        logprobs, nothing generated - how evaluation harnesses score a text."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
+        if self.echo_only and self.stream:
+            raise ValueError("max_tokens 0 (echo without generation) is not supported with stream")
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
         if self.stream and self.best_of is not None and self.best_of > self.n and not self.use_beam_search:
             raise ValueError("best_of > n is not supported with stream (the best samples are known only at the end)")
         if self.use_beam_search and self.temperature is None:
             self.temperature = 0.0  # beam search is deterministic; OpenAI clients send no temperature
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, defaults, best_of=self.best_of,
+        max_tokens = 1 if self.echo_only else self.max_tokens  # (the one token drawn is dropped: serving.py)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults, best_of=self.best_of,
                                      use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
                                      early_stopping=self.early_stopping)  # fmt: skip
 

@@ -268,6 +268,9 @@ class OpenAIServing:
         prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in finals)
         cached_tokens = sum(finals[i].num_cached_tokens for i in finals)
         data = []
+        if req.echo_only:  # the prompt alone: what was drawn to run the request is dropped
+            for ch in choices:
+                ch.text, ch.token_ids, ch.logprobs, ch.finish_reason, ch.stop_reason = "", [], [], "length", None
         for idx, ch in enumerate(choices):
             final = finals[idx // n]
             text = ch.text
