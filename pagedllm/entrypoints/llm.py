@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import fields
 from functools import partial
@@ -23,6 +24,25 @@ from pagedllm.scheduler.policy import check_priority
 from pagedllm.sampling_params import SamplingParams
 
 
+# vLLM's LLM() arguments that mean nothing here: accepted where harmless, else refused with
+# what to use instead (a bare "unknown engine argument" left vLLM users guessing).
+_VLLM_NO_EFFECT = {"enforce_eager": "there are no CUDA graphs on a CPU", "trust_remote_code": "pagedllm runs its own model code"}
+_VLLM_INSTEAD = {
+    "gpu_memory_utilization": "the KV pool is kv_cache_space GiB (or num_kv_blocks); `pagedllm estimate` prints what fits",
+    "tokenizer": "the tokenizer is read from the model (GGUF metadata or the checkpoint's directory)",
+    "cpu_offload_gb": "weights and KV cache are in RAM already",
+}
+
+
+def _vllm_only_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """``engine_args`` without vLLM's harmless arguments (``disable_log_stats`` is kept: it
+    maps to no stats line); a ValueError for the ones that would change something."""
+    for name, instead in _VLLM_INSTEAD.items():
+        if name in engine_args:
+            raise ValueError(f"{name} is vLLM's and has no meaning here: {instead}")
+    return {k: v for k, v in engine_args.items() if k not in _VLLM_NO_EFFECT}
+
+
 class LLM:
     """Generate text for many prompts at once with continuous batching over a paged KV cache.
 
@@ -36,6 +56,9 @@ class LLM:
         ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
         ``kv_cache_space``, ``enable_prefix_caching``, ...; see ``pagedllm/config.py``)."""
         known = {f.name for f in fields(EngineConfig)}
+        engine_args = _vllm_only_args(engine_args)
+        if engine_args.pop("disable_log_stats", False):
+            log_stats_interval = math.inf
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")

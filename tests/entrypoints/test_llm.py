@@ -355,3 +355,14 @@ def test_streamed_samples_report_only_when_they_move(tiny_llama):
                 tokens[c.index] += c.token_ids
     assert engine.num_preemptions_total > 0
     assert all(len(t) == 24 for t in tokens.values())
+
+
+def test_vllm_arguments_without_meaning_here(tiny_llama):
+    """vLLM users' LLM() arguments: the harmless ones are accepted (disable_log_stats turns the
+    stats line off), the others refused with what to use instead."""
+    llm = LLM(str(tiny_llama), num_kv_blocks=16, enforce_eager=True, trust_remote_code=True, disable_log_stats=True)
+    assert llm.llm_engine.stats.interval == float("inf")
+    with pytest.raises(ValueError, match="gpu_memory_utilization is vLLM's .* kv_cache_space"):
+        LLM(str(tiny_llama), gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="unknown engine argument.* no_such_arg"):
+        LLM(str(tiny_llama), no_such_arg=1)
