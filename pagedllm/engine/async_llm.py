@@ -276,6 +276,7 @@ class AsyncLLM(RequestStreams):
 
     def _loop(self) -> None:
         engine = self.engine
+        trimmed = True  # the heap was trimmed since the last step (the loader trimmed it)
         while True:
             try:
                 while True:
@@ -287,14 +288,16 @@ class AsyncLLM(RequestStreams):
             except queue.Empty:
                 pass
             if not engine.has_unfinished_requests():
+                if not trimmed:  # idle again (the last step ended, or aborts did): freed buffers go back
+                    trim_heap()
+                    trimmed = True
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 engine.executor.check_alive()  # idle: a dead worker is found now, not by the next request
                 engine.report_idle()  # the stats line and the metrics go on while idle
                 continue
+            trimmed = False
             self._deliver(engine.step())
-            if not engine.has_unfinished_requests():  # idle again: the steps' freed buffers go back
-                trim_heap()
 
     def _die(self, cause: BaseException) -> None:
         error = cause if isinstance(cause, EngineDeadError) else EngineDeadError(f"{type(cause).__name__}: {cause}")
