@@ -94,3 +94,19 @@ def test_echo_without_generation_scores_the_prompt(server):
     for bad in ({"prompt": prompt, "max_tokens": 0}, {**body, "max_tokens": 0, "stream": True}):
         r = post(server, "/v1/completions", bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_top_level_structural_tag_constrains_the_output(server):
+    """vLLM's top-level ``structural_tag`` (JSON text) constrains as response_format's does (it
+    was ignored: free text came back)."""
+    import re
+
+    tag = {"type": "structural_tag",
+           "format": {"type": "tag", "begin": "<a>", "content": {"type": "regex", "pattern": "[0-9]{1,3}"}, "end": "</a>"}}  # fmt: skip
+    r = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40, "temperature": 0.8, "seed": 3,
+                                              "structural_tag": json.dumps(tag)})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("<a>[0-9]{1,3}</a>", r.json()["choices"][0]["message"]["content"])
+    both = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "structural_tag": json.dumps(tag),
+                                                 "guided_regex": "[0-9]"})  # fmt: skip
+    assert both.status_code == 400 and "at most one output constraint" in both.text

@@ -137,6 +137,7 @@ class _SamplingFields(_TextBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None  # vLLM's top-level field (JSON text): as response_format's
     guided_decoding_backend: str | None = None
 
     # Fields of UNSUPPORTED_FIELDS this endpoint does support (completions: beam search, best_of).
@@ -169,7 +170,7 @@ class _SamplingFields(_TextBody):
             except TypeError as e:
                 raise ValueError(f"structured_outputs: {e}") from e
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):  # fmt: skip
+                          ("guided_grammar", "grammar"), ("structural_tag", "structural_tag")):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 given[name] = StructuredOutputsParams(**{key: value})
