@@ -110,3 +110,16 @@ def test_top_level_structural_tag_constrains_the_output(server):
     both = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "structural_tag": json.dumps(tag),
                                                  "guided_regex": "[0-9]"})  # fmt: skip
     assert both.status_code == 400 and "at most one output constraint" in both.text
+
+
+def test_several_served_model_names(tiny_llama_tok):
+    """``--served-model-name A B``: requests may name either; answers name the first (vLLM's)."""
+    srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS, "--served-model-name", "first", "second"])
+    try:
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == ["first", "second"]
+        for name in ("first", "second", str(tiny_llama_tok)):
+            r = post(srv, "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "first", (name, r.text)
+        assert post(srv, "/v1/completions", {"model": "third", "prompt": "Hi", "max_tokens": 2}).status_code == 404
+    finally:
+        assert srv.stop() == 0

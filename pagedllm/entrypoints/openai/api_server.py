@@ -56,6 +56,7 @@ class ServerConfig:
 
     served_model_name: str
     model_root: str
+    model_aliases: tuple[str, ...] = ()  # more names requests may give the base model (--served-model-name A B ...)
     api_key: str | None = None
     guard_metrics: bool = False  # with an API key, /metrics needs it too
     trust_request_chat_template: bool = False
@@ -183,6 +184,7 @@ TOKENIZE_LIMIT = 4
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     served_model_name, model_root = config.served_model_name, config.model_root
+    base_names = {served_model_name, model_root, *config.model_aliases}  # what a request's model may say
     app = FastAPI(title="pagedllm", version=__version__)
     serving = OpenAIServing(llm, served_model_name, config.trust_request_chat_template,
                             tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)  # fmt: skip
@@ -238,12 +240,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         return error_response(500, f"internal error (error id {error_id})", "InternalServerError")
 
     def check_model(name: str | None) -> JSONResponse | None:
-        if name is not None and name not in (served_model_name, model_root) and name not in serving.loras:
+        if name is not None and name not in base_names and name not in serving.loras:
             return error_response(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return None
 
     for name, path in config.lora_modules:  # loaded (and checked) before the server answers anyone
-        if name in (served_model_name, model_root):
+        if name in base_names:
             raise ValueError(f"--lora-modules: {name!r} is the base model's name")
         lora = serving.new_lora_request(name, path)
         llm.engine.add_lora(lora)
@@ -269,7 +271,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     def model_cards() -> list[dict]:
         created = int(time.time())
         base = {"object": "model", "created": created, "owned_by": "pagedllm", "max_model_len": serving.max_model_len}
-        data = [{"id": served_model_name, **base, "root": model_root, "parent": None}]
+        data = [{"id": name, **base, "root": model_root, "parent": None} for name in (served_model_name, *config.model_aliases)]
         data += [{"id": name, **base, "root": lora.lora_path, "parent": served_model_name} for name, lora in serving.loras.items()]
         return data
 
@@ -293,7 +295,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             if not llm.engine.config.enable_lora:
                 raise ValueError("LoRA is not enabled; start the server with --enable-lora")
             name = req.lora_name
-            if name in serving.loras or name in (served_model_name, model_root):
+            if name in serving.loras or name in base_names:
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             if name in loading:  # two loads of one name at once: the first one's
                 raise ValueError(f"The lora adapter '{name}' is being loaded.")
@@ -376,7 +378,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default: %(default)s)")
-    g.add_argument("--served-model-name", default=None, help="model name in the API (default: SmolLM2-135M-Instruct for the embedded model, else --model as given)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="model name in the API; as vLLM, several names are all accepted in a request's model field and the first is the one answers name (default: SmolLM2-135M-Instruct for the embedded model, else --model as given)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics (or set PAGEDLLM_API_KEY)")
     g.add_argument("--guard-metrics", action="store_true", help="with an API key, /metrics needs it too")
     g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse new requests with 503 + Retry-After while this many wait to be scheduled (default: max(1024, 8 x --max-num-seqs); 0 = no limit)")
@@ -426,7 +428,8 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
     llm = make_async_llm(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
     single_thread()  # the event loop's thread: torch ops without an OpenMP team (pagedllm/threads.py)
     config = ServerConfig(
-        served_model_name=args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME),
+        served_model_name=args.served_model_name[0] if args.served_model_name else (args.model or DEFAULT_MODEL_NAME),
+        model_aliases=tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else (),
         model_root=str(llm.engine.source.path),
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
         guard_metrics=args.guard_metrics,
