@@ -125,8 +125,8 @@ class SamplingParams:
     ``temperature=0`` is greedy decoding. ``seed`` gives the request its own random
     generator, so its samples do not depend on what else is in the batch, on preemption, or on
     speculative decoding (each output token takes one draw, drafted or not). torch's CPU
-    generator keeps only the seed's low 32 bits, so seeds equal modulo 2**32 (e.g. -1 and
-    2**32 - 1) draw alike. ``top_k`` of 0
+    generator keeps only the seed's low 32 bits, so seeds equal modulo 2**32 (e.g. -2 and
+    2**32 - 2) draw alike; ``seed=-1`` means no seed, as in vLLM. ``top_k`` of 0
     or -1 turns top-k off. ``presence_penalty``/``frequency_penalty`` count generated tokens
     only (OpenAI semantics); ``repetition_penalty`` counts prompt and generated tokens
     (Hugging Face semantics). ``logprobs=k`` returns the top-k log-probabilities of the
@@ -188,6 +188,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}")
         if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed == -1 and is_int(self.seed):  # vLLM's spelling of "unseeded"
+            self.seed = None
         if self.seed is not None and (not is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a 64-bit integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -274,6 +276,12 @@ class SamplingParams:
         bad = [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"logit_bias has token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's ``clone``)."""
+        import copy
+
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

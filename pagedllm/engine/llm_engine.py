@@ -257,8 +257,9 @@ class LLMEngine:
         return request_id
 
     def add_beam_search(
-        self, prompt: PromptType, params: BeamSearchParams, request_id: str | None = None, priority: int = 0
-    ) -> str:
+        self, prompt: PromptType, params: BeamSearchParams, request_id: str | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> str:  # fmt: skip
         """Queue a beam search (engine/beam_search.py); its one output (the beams, best first)
         comes back from ``step()`` under ``request_id`` when the search ends."""
         if not isinstance(params, BeamSearchParams):
@@ -267,8 +268,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.next_request_id()
         if self._id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority,
-                       cache_salt=req.cache_salt)
+                       cache_salt=req.cache_salt, lora_request=lora_request)
         return request_id
 
     def _id_in_use(self, request_id: str) -> bool:

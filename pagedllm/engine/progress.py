@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -12,8 +13,12 @@ from pagedllm.outputs import RequestOutput
 class ProgressBar:
     """One bar for ``LLM.generate``, whether one engine steps here or replicas run elsewhere."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not enabled)
+    def __init__(self, total: int, enabled: Any):
+        """``enabled``: a bool, or (as vLLM's use_tqdm) a tqdm-like callable that makes the bar."""
+        if callable(enabled):
+            self.bar = enabled(total=total, desc="Processed prompts", dynamic_ncols=True)
+        else:
+            self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not enabled)
         self.start = time.perf_counter()
         self.input_tokens = self.output_tokens = 0
 

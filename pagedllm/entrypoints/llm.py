@@ -91,12 +91,14 @@ class LLM:
             return self.data_parallel.tokenizer
         return self.llm_engine.get_tokenizer()
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
         if self.data_parallel is not None:
             from pagedllm.data_parallel import offline
 
-            return offline.reset_prefix_cache(self.data_parallel)
+            offline.reset_prefix_cache(self.data_parallel)
+            return True
         self.llm_engine.reset_prefix_cache()
+        return True  # (as vLLM's: whether it was reset; running requests keep their blocks)
 
     def shutdown(self) -> None:
         """Stop the data-parallel replicas now (they are also stopped at exit); one engine in
@@ -108,13 +110,14 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
+        *,  # (vLLM's chat_template_content_format comes next there: the rest by name only)
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to a list of them.
 
@@ -148,11 +151,12 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order.
+        """Run every prompt to completion; outputs come back in input order (vLLM's argument
+        order). ``use_tqdm``: a bar, or a tqdm-like callable to make it with.
 
         ``priority`` (one int per prompt, lower first) matters with scheduling_policy="priority".
         ``lora_request``: a LoRA adapter for every prompt, or one per prompt (None: the base
@@ -164,6 +168,7 @@ class LLM:
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        loras = _per_prompt_loras(lora_request, len(prompts))
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
@@ -182,15 +187,6 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         for p in priorities:
             check_priority(p, self.scheduling_policy)
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        elif not isinstance(lora_request, (list, tuple)):
-            raise ValueError("lora_request must be a LoRARequest or a list of them (None for the base model), one per "
-                             f"prompt; got {type(lora_request).__name__}")  # fmt: skip
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one or one per prompt")
         if self.data_parallel is not None:
             from pagedllm.data_parallel import offline
 
@@ -200,16 +196,22 @@ class LLM:
                                   for p, sp, prio, lora in zip(prompts, params_list, priorities, loras)], use_tqdm)  # fmt: skip
 
     def beam_search(
-        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[BeamSearchOutput]:
-        """Beam search (vLLM's API; transformers' semantics, see engine/beam_search.py): per
-        prompt, ``params.beam_width`` sequences best first, sharing their prefixes' KV blocks."""
+        """Beam search (vLLM's API and argument order; transformers' semantics, see
+        engine/beam_search.py): per prompt, ``params.beam_width`` sequences best first, sharing
+        their prefixes' KV blocks; ``lora_request`` as in ``generate``."""
         from pagedllm.engine.beam_search import to_beam_search_output
 
         prompts = _prompt_list(prompts)
+        loras = _per_prompt_loras(lora_request, len(prompts))
         if self.data_parallel is not None:
             raise ValueError("beam_search runs on one engine; data_parallel_size > 1 is not supported here")
-        adds = [partial(self.llm_engine.add_beam_search, p, params) for p in prompts]
+        adds = [partial(self.llm_engine.add_beam_search, p, params, lora_request=lora) for p, lora in zip(prompts, loras)]
         return [to_beam_search_output(out) for out in self._add_and_run(adds, use_tqdm)]
 
     def _add_and_run(self, adds: list[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
@@ -247,10 +249,30 @@ class LLM:
         return [results[r] for r in request_ids]
 
 
+def _per_prompt_loras(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    """One adapter (or None) for every prompt, or one per prompt; ValueError otherwise."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError("lora_request must be a LoRARequest or a list of them (None for the base model), one per "
+                         f"prompt; got {type(lora_request).__name__}")  # fmt: skip
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts; pass one or one per prompt")
+    return list(lora_request)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def _prompt_list(prompts: Any) -> list:
-    """One prompt (a string or a dict) or a list of them, as a list; ValueError otherwise."""
+    """One prompt (a string, a dict, or token ids) or a list of them, as a list; ValueError
+    otherwise. Token ids as a list of ints are one prompt, a list of such lists several (as
+    vLLM reads them)."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if _is_token_ids(prompts):
+        return [{"prompt_token_ids": list(prompts)}]
     if isinstance(prompts, (list, tuple)):
-        return list(prompts)
+        return [{"prompt_token_ids": list(p)} if _is_token_ids(p) else p for p in prompts]
     raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")

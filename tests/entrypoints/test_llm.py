@@ -366,3 +366,39 @@ def test_vllm_arguments_without_meaning_here(tiny_llama):
         LLM(str(tiny_llama), gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match="unknown engine argument.* no_such_arg"):
         LLM(str(tiny_llama), no_such_arg=1)
+
+
+def test_vllm_argument_orders_and_prompt_forms(tiny_llama):
+    """vLLM scripts pass lora_request third to beam_search / fourth to chat and generate, token
+    ids as bare lists, a tqdm-like callable as use_tqdm, seed=-1 for "unseeded" (a LoRA passed
+    third to beam_search was taken for use_tqdm and dropped; found by an offline-API sweep)."""
+    import inspect
+
+    assert list(inspect.signature(LLM.generate).parameters)[1:5] == ["prompts", "sampling_params", "use_tqdm", "lora_request"]
+    assert list(inspect.signature(LLM.chat).parameters)[1:6] == ["messages", "sampling_params", "use_tqdm", "lora_request", "chat_template"]
+    assert list(inspect.signature(LLM.beam_search).parameters)[1:5] == ["prompts", "params", "lora_request", "use_tqdm"]
+    llm = LLM(str(tiny_llama), num_kv_blocks=32, log_stats_interval=1e9)
+    from pagedllm.lora.request import LoRARequest
+
+    with pytest.raises(ValueError, match="lora_request needs .*enable_lora"):  # the adapter is seen (this engine has no LoRA)
+        llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=2), LoRARequest("a", 1, "/nowhere"))
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    one = llm.generate([5, 6, 7], greedy, use_tqdm=False)
+    two = llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False)
+    assert len(one) == 1 and one[0].prompt_token_ids == [5, 6, 7] and [o.prompt_token_ids for o in two] == [[5, 6, 7], [8, 9]]
+    assert one[0].outputs[0].token_ids == two[0].outputs[0].token_ids
+    bars = []
+
+    def make_bar(**kw):
+        from tqdm import tqdm
+
+        bars.append(kw)
+        return tqdm(disable=True, **kw)
+
+    llm.generate([[5, 6]], greedy, use_tqdm=make_bar)
+    assert bars and bars[0]["total"] == 1
+    assert SamplingParams(seed=-1).seed is None
+    sp = SamplingParams(stop=["x"], seed=3)
+    twin = sp.clone()
+    assert twin == sp and twin.stop is not sp.stop
+    assert llm.reset_prefix_cache() is True
