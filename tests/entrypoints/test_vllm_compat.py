@@ -123,11 +123,3 @@ def test_several_served_model_names(tiny_llama_tok):
         assert post(srv, "/v1/completions", {"model": "third", "prompt": "Hi", "max_tokens": 2}).status_code == 404
     finally:
         assert srv.stop() == 0
-
-
-def test_an_empty_tools_list_is_no_tools(server):
-    """Clients send ``tools: []``; vLLM reads it as no tools (it was a 400)."""
-    r = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tools": []})
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
-    r = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tools": [], "tool_choice": "required"})
-    assert r.status_code == 400 and "tool_choice needs tools" in r.text

@@ -101,9 +101,8 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def resolve_tool_choice(tools: Any, tool_choice: Any, parallel: bool, auto_enabled: bool) -> ToolChoice | None:
-    """The request's ToolChoice (None without tools); ValueError for what cannot be honoured.
-    An empty tools list is no tools (clients send one; vLLM reads it so)."""
-    if tools is None or (isinstance(tools, list) and not tools):
+    """The request's ToolChoice (None without tools); ValueError for what cannot be honoured."""
+    if tools is None:
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice needs tools")
         return None
