@@ -286,7 +286,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     # The checkpoint's generation_config.json (model/generation_config.py), as vLLM: "auto"
     # (its recommended sampling is the default of requests that leave it out, its eos ids end
-    # replies), "vllm" (ignored), or a directory holding such a file.
+    # replies), "vllm" (only its eos ids), or a directory holding such a file.
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:

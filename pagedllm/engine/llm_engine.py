@@ -25,7 +25,6 @@ from pagedllm.engine.parallel_sampling import ParallelSampling, sample_params
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, beam_params_from
 from pagedllm.engine.best_of import BestOf, expand as expand_best_of, wants_best_of
 from pagedllm.engine.capacity import startup_report
-from pagedllm.model.generation_config import default_sampling_params
 from pagedllm.model.generation_config import log_defaults as log_generation_defaults
 from pagedllm.engine.startup import (
     KVCacheSizes, LoadedModel, ModelInfo, StartupTimes, kv_cache_sizes, load_draft_model, load_model, load_model_info,
@@ -61,8 +60,7 @@ class LLMEngine:
             info = load_model_info(config)
         self.source, self.arch, self.tokenizer = info.source, info.arch, info.tokenizer
         self.eos_token_ids, self.max_model_len = info.eos_token_ids, info.max_model_len
-        self.generation_defaults = info.generation  # generation_config.json
-        log_generation_defaults(info.generation)
+        log_generation_defaults(info.generation)  # (generation_config.json: the entry points apply its defaults)
         sizes = kv_cache_sizes(config, info.arch)
         self.kv_cache_manager = KVCacheManager(
             sizes.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=sizes.num_swap_blocks,
@@ -355,10 +353,6 @@ class LLMEngine:
         or for sample 0's prompt, beam searches waiting for room in the pool. They count as
         waiting (as vLLM counts its requests waiting for a grammar)."""
         return self.structured.held() + self.parallel.held() + self.beams.held()
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams() with the model's generation_config.json values (vLLM's)."""
-        return default_sampling_params(self.generation_defaults)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self.held_requests())

@@ -191,7 +191,7 @@ def load_draft_model(config: EngineConfig, max_model_len: int, vocab_size: int) 
     draft_config = replace(config, model=spec.model, max_model_len=max_model_len, speculative_config=None,
                            quantization=None)  # fmt: skip
     try:
-        draft = load_model(draft_config)
+        draft = load_model(draft_config, tokenizer=False)  # (the target's tokenizer serves; its EOS ids too)
     except ValueError as e:
         raise ValueError(f"speculative_config.model: {e}") from None
     if draft.arch.vocab_size != vocab_size:

@@ -7,6 +7,7 @@ import functools
 import importlib
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from pagedllm.config import ACTIVATION_DTYPES, DEFAULT_DTYPE, KV_CACHE_DTYPES, EngineConfig
 
@@ -55,7 +56,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address: torch.distributed rendezvous and the engine's control channel (default: %(default)s)")
     g.add_argument("--master-port", type=int, default=None, help="rendezvous port on --master-addr; the control channel uses the next one (default: a free port; required with --nnodes > 1)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=defaults["data_parallel_size"], help="engine replicas, one process each (own model copy and KV pool: --kv-cache-space is per replica), behind one server that routes by load and prefix affinity; each gets its share of the cores (docs/parallelism.md) (default: %(default)s)")
-    g.add_argument("--generation-config", default=defaults["generation_config"], help="the model's generation_config.json, as vLLM: auto = its sampling values are the defaults of requests that leave them out (its max_new_tokens caps max_tokens) and its eos_token_id ends replies; vllm = ignore it; or a directory holding one (default: %(default)s)")
+    g.add_argument("--generation-config", default=defaults["generation_config"], help="the model's generation_config.json, as vLLM: auto = its sampling values are the defaults of requests that leave them out (its max_new_tokens caps max_tokens) and its eos_token_id ends replies; vllm = only its eos ids, no sampling defaults (as vLLM); or a directory holding one (default: %(default)s)")
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"], help="Hugging Face checkpoints: quantize the linear weights at load, int8 (Q8_0 groups of 32) or int4 (Q4_1 groups of 32) (default: none)")
 
 
@@ -220,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # the subcommand's usage, not the top level's
         command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     model_tag = vars(args).pop("model_tag", None)
+    names = getattr(args, "served_model_name", None) or []
+    if model_tag is None and args.command == "serve" and args.model is None and any(Path(n).exists() for n in names):
+        # (``serve --served-model-name NAME /path/model``: nargs="+" took the path as a name)
+        command_parser.error(f"--served-model-name took {' '.join(names)}, a path among them: put the model "
+                             "before --served-model-name (pagedllm serve MODEL --served-model-name NAME)")
     if model_tag is not None:
         if args.model is not None and args.model != model_tag:
             command_parser.error(f"the model is given twice: {model_tag} and --model {args.model}")

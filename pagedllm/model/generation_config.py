@@ -5,7 +5,8 @@ vLLM reads it by default (``--generation-config auto``): a request that leaves o
 temperature, top_p, top_k, min_p or repetition_penalty gets the file's value, its
 ``max_new_tokens`` caps max_tokens, and its ``eos_token_id`` (one id or a list) also ends
 generation. Instruct checkpoints often list their end-of-turn token only there, so without it
-replies run to max_tokens. ``vllm`` ignores the file; a directory reads that directory's file.
+replies run to max_tokens. ``vllm`` keeps only those eos ids (vLLM reads them in both modes);
+a directory reads that directory's file.
 A GGUF file carries no such file (its EOS ids are in its metadata).
 """
 
@@ -38,10 +39,9 @@ class GenerationDefaults:
 
 def read_generation_config(setting: str, model_path: Path) -> GenerationDefaults:
     """The defaults of ``setting``: ``auto`` (the model directory's file, if it has one),
-    ``vllm`` (none), or a directory that must hold the file."""
-    if setting == "vllm":
-        return GenerationDefaults()
-    if setting == "auto":
+    ``vllm`` (its eos ids only: no sampling defaults, as vLLM), or a directory that must hold
+    the file."""
+    if setting in ("auto", "vllm"):
         path = model_path / FILE_NAME if model_path.is_dir() else None
         if path is None or not path.is_file():
             return GenerationDefaults()
@@ -55,7 +55,7 @@ def read_generation_config(setting: str, model_path: Path) -> GenerationDefaults
         raise ValueError(f"generation_config: could not read {path}: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"generation_config: {path} must hold a JSON object")
-    sampling = {name: raw[key] for key, name in SAMPLING_KEYS.items() if raw.get(key) is not None}
+    sampling = {} if setting == "vllm" else {name: raw[key] for key, name in SAMPLING_KEYS.items() if raw.get(key) is not None}
     try:
         SamplingParams(**sampling)  # the values must make sense as a request's
     except (ValueError, TypeError) as e:
@@ -75,5 +75,5 @@ def default_sampling_params(defaults: GenerationDefaults) -> SamplingParams:
 def log_defaults(defaults: GenerationDefaults) -> None:
     if defaults.sampling or defaults.eos_token_ids:
         logger.info("generation config %s: request defaults %s, end-of-reply ids %s (the model authors' choice; "
-                    "--generation-config vllm ignores the file)", defaults.path, defaults.sampling or "unchanged",
+                    "--generation-config vllm keeps only its eos ids)", defaults.path, defaults.sampling or "unchanged",
                     defaults.eos_token_ids or "unchanged")  # fmt: skip

@@ -38,6 +38,8 @@ from pagedllm.entrypoints.cli import main
     (["serve", "--no-such-flag"], r"usage: pagedllm serve [\s\S]*pagedllm serve: error: unrecognized arguments: --no-such-flag"),
     (["bench", "latency", "--no-such-flag"], r"pagedllm bench latency: error: unrecognized arguments: --no-such-flag"),
     (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice: a.gguf and --model b.gguf"),
+    # nargs="+" takes a model path after --served-model-name for a name: said, not served by default.
+    (["serve", "--served-model-name", "tiny", __file__], "--served-model-name took .* put the model before"),
 ])  # fmt: skip
 def test_bad_flag_values_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -123,3 +123,43 @@ def test_several_served_model_names(tiny_llama_tok):
         assert post(srv, "/v1/completions", {"model": "third", "prompt": "Hi", "max_tokens": 2}).status_code == 404
     finally:
         assert srv.stop() == 0
+
+
+def test_an_empty_tools_list_is_refused(server):
+    """Current vLLM and OpenAI refuse ``tools: []`` (400 naming tools), and so do we."""
+    r = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tools": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_time_per_output_token_uses_the_longest_samples_tokens(tiny_llama):
+    """n > 1 with samples ending at different steps: delta outputs hold only the samples still
+    running, so the tokens per sequence behind TPOT are counted per sample (a review found the
+    whole request's tokens divided by the last output's samples)."""
+    import types
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.output_processor import RequestOutputKind
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), log_stats_interval=1e9)
+    fake = types.SimpleNamespace(engine=engine, num_running=lambda: 0, num_waiting=lambda: 0, kv_cache_usage=lambda: 0.0,
+                                 data_parallel_size=1, add_stat_logger=lambda s: None, output_hooks=[])  # fmt: skip
+    metrics = ServerMetrics(fake, "m")
+    seen: list[int] = []
+    record = metrics._record_phases
+    metrics._record_phases = lambda m, now, tokens: (seen.append(tokens), record(m, now, tokens))
+    for seed in range(40):
+        engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(n=2, seed=seed, max_tokens=20,
+                           stop_token_ids=list(range(0, 256, 9))), f"r{seed}", output_kind=RequestOutputKind.DELTA)  # fmt: skip
+        per: dict[int, int] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    per[c.index] = per.get(c.index, 0) + len(c.token_ids)
+                metrics.on_output(out)
+        assert seen[-1] == max(per.values()), (per, seen[-1])
+        if len(set(per.values())) > 1:
+            break
+    assert len(set(per.values())) > 1, "no seed gave samples of different lengths"

@@ -1,7 +1,7 @@
 """A checkpoint's generation_config.json, read as vLLM reads it (``generation_config="auto"``):
 its sampling values are the defaults of requests that leave them out, its max_new_tokens caps
-max_tokens, its eos ids end replies; ``"vllm"`` ignores it (a vLLM-compatibility sweep found
-the file was never read)."""
+max_tokens, its eos ids end replies; ``"vllm"`` keeps only the eos ids (a vLLM-compatibility
+sweep found the file was never read)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_the_file_gives_sampling_defaults_and_eos_ids(tmp_path):
     assert d.sampling == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 64}
     assert d.eos_token_ids == [2, 7]
     assert read_generation_config(str(tmp_path), tmp_path / "elsewhere").sampling == d.sampling  # a directory
-    assert read_generation_config("vllm", tmp_path).sampling == {}  # ignored
+    assert read_generation_config("vllm", tmp_path).sampling == {}  # no sampling defaults...
+    assert read_generation_config("vllm", tmp_path).eos_token_ids == [2, 7]  # ...but its eos ids, as vLLM
     assert read_generation_config("auto", tmp_path / "none").sampling == {}  # no file: nothing
     with pytest.raises(ValueError, match="no generation_config.json in"):
         read_generation_config(str(tmp_path / "none"), tmp_path)
@@ -42,6 +43,10 @@ def test_the_file_gives_sampling_defaults_and_eos_ids(tmp_path):
 
 
 def test_server_requests_take_the_defaults_they_leave_out():
+    # Beam search takes only the max_tokens cap (a repetition_penalty default refused every search).
+    beam = CompletionRequest(prompt="hi", use_beam_search=True, n=2, max_tokens=20).to_sampling_params(
+        {"repetition_penalty": 1.05, "temperature": 0.7, "max_tokens": 7})
+    assert (beam.repetition_penalty, beam.temperature, beam.max_tokens) == (1.0, 0.0, 7)
     defaults = {"temperature": 0.3, "top_k": 5, "max_tokens": 7}
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     p = chat.to_sampling_params(defaults)
@@ -69,7 +74,8 @@ def test_offline_defaults_and_eos_ids_from_the_file(tiny_llama, tmp_path):
     # ignore_eos still runs past it; "vllm" ignores the file.
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens
-    ignored = LLM(str(path), generation_config="vllm", num_kv_blocks=32, log_stats_interval=1e9)
-    params = SamplingParams(temperature=0, max_tokens=6)
-    out = ignored.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    # "vllm": no sampling defaults, but the file's eos ids still end replies (as vLLM).
+    kept = LLM(str(path), generation_config="vllm", num_kv_blocks=32, log_stats_interval=1e9)
+    assert kept.get_default_sampling_params() == SamplingParams()
+    out = kept.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: tokens.index(tokens[1]) + 1] and out.finish_reason == "stop"

@@ -429,7 +429,8 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
     single_thread()  # the event loop's thread: torch ops without an OpenMP team (pagedllm/threads.py)
     config = ServerConfig(
         served_model_name=args.served_model_name[0] if args.served_model_name else (args.model or DEFAULT_MODEL_NAME),
-        model_aliases=tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else (),
+        model_aliases=tuple(dict.fromkeys(n for n in args.served_model_name[1:] if n != args.served_model_name[0]))
+        if args.served_model_name else (),
         model_root=str(llm.engine.source.path),
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
         guard_metrics=args.guard_metrics,

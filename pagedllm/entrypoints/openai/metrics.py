@@ -152,7 +152,7 @@ class ServerMetrics:
             self.lora_info.labels(max_lora=self.max_lora, running_lora_adapters="", waiting_lora_adapters="").set(time.time())
             self._lora_last: tuple | None = None
         self._last_token_time: dict[str, float] = {}
-        self._output_tokens: dict[str, int] = {}  # request id -> output tokens so far (all samples)
+        self._output_tokens: dict[str, dict[int, int]] = {}  # request id -> sample index -> output tokens so far
         async_llm.add_stat_logger(self)
         async_llm.output_hooks.append(self.on_output)
 
@@ -212,9 +212,13 @@ class ServerMetrics:
                 for _ in range(new_tokens):
                     self.itl.observe(gap)
             self._last_token_time[out.request_id] = now
-        output_tokens = self._output_tokens.pop(out.request_id, 0) + sum(len(c.token_ids) for c in out.outputs)
+        # Output tokens per sample (delta outputs hold only the samples still running).
+        per_sample = self._output_tokens.pop(out.request_id, {})
+        for c in out.outputs:
+            per_sample[c.index] = per_sample.get(c.index, 0) + len(c.token_ids)
+        output_tokens = sum(per_sample.values())
         if not out.finished:
-            self._output_tokens[out.request_id] = output_tokens
+            self._output_tokens[out.request_id] = per_sample
         if out.finished:
             self._last_token_time.pop(out.request_id, None)
             self.request_prompt_tokens.observe(len(out.prompt_token_ids))
@@ -223,7 +227,7 @@ class ServerMetrics:
             self.request_success.labels(finished_reason=reason, **self.labels).inc()
             if m is not None:
                 self.e2e.observe(now - m.arrival_time)
-                self._record_phases(m, now, output_tokens // max(1, len(out.outputs)))
+                self._record_phases(m, now, max(per_sample.values(), default=0))  # the longest sample's tokens
 
     def _record_phases(self, m, now: float, tokens_per_sequence: int) -> None:
         end = m.finished_time if m.finished_time is not None else now

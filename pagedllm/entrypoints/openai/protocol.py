@@ -298,8 +298,12 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
         if self.stream and self.best_of is not None and self.best_of > self.n and not self.use_beam_search:
             raise ValueError("best_of > n is not supported with stream (the best samples are known only at the end)")
-        if self.use_beam_search and self.temperature is None:
-            self.temperature = 0.0  # beam search is deterministic; OpenAI clients send no temperature
+        if self.use_beam_search:
+            if self.temperature is None:
+                self.temperature = 0.0  # beam search is deterministic; OpenAI clients send no temperature
+            # Of the model's defaults only the max_tokens cap applies (as vLLM's beam search):
+            # a sampling default such as repetition_penalty would refuse every search.
+            defaults = {k: v for k, v in (defaults or {}).items() if k == "max_tokens"}
         max_tokens = 1 if self.echo_only else self.max_tokens  # (the one token drawn is dropped: serving.py)
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults, best_of=self.best_of,
                                      use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
