@@ -65,34 +65,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-class _NotHere(argparse.Action):
-    """A vLLM flag that means nothing on this engine: refused with what to use instead (a bare
-    "unrecognized arguments" left vLLM users guessing)."""
-
-    def __init__(self, option_strings, dest, instead: str, **kwargs):
-        self.instead = instead
-        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is vLLM's and has no meaning here: {self.instead}")
-
-
-def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
-    """Flags vLLM users copy into ``serve``: the harmless ones are accepted and do nothing (said
-    in their help), the ones that would size or change something are refused with what to use."""
-    g = parser.add_argument_group("vLLM flags without effect here")
-    g.add_argument("--enforce-eager", action="store_true", help="accepted, no effect: there are no CUDA graphs on a CPU")
-    g.add_argument("--trust-remote-code", action="store_true", help="accepted, no effect: pagedllm runs its own model code, never a checkpoint's")
-    g.add_argument("--disable-log-requests", action="store_true", help="accepted, no effect: pagedllm does not log requests")
-    g.add_argument("--gpu-memory-utilization", nargs=1, action=_NotHere,
-                   instead="the KV pool is --kv-cache-space GiB (or --num-kv-blocks); `pagedllm estimate` prints what fits")
-    g.add_argument("--cpu-offload-gb", "--kv-offloading-size", nargs=1, action=_NotHere,
-                   instead="weights and KV cache are in RAM already; --preemption-mode swap keeps preempted blocks in a second pool")
-    g.add_argument("--tokenizer", nargs=1, action=_NotHere, instead="the tokenizer is read from the model (GGUF metadata or the checkpoint's directory)")
-    g.add_argument("--chat-template", nargs=1, action=_NotHere,
-                   instead="the chat template is the model's; requests may send chat_template with --trust-request-chat-template")
-
-
 def _serve(args: argparse.Namespace) -> int:
     if args.headless:  # a worker node: its ranks only, no engine, no HTTP server
         from pagedllm.executor.multiproc import run_headless
@@ -168,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     # ``vllm serve MODEL``: the model as a positional argument too.
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model")
     add_engine_args(serve)
-    add_vllm_compat_args(serve)
+    from pagedllm.entrypoints.vllm_args import add_serve_args as add_vllm_args
+
+    add_vllm_args(serve)
     from pagedllm.entrypoints.openai.api_server import add_server_args
 
     add_server_args(serve)

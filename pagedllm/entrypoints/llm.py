@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.chat import render_chat
 from pagedllm.entrypoints.openai.tools import check_tools
+from pagedllm.entrypoints.vllm_args import check_llm_args
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.progress import ProgressBar
 from pagedllm.logger import configure_logging
@@ -22,25 +23,6 @@ from pagedllm.threads import configure_threads
 from pagedllm.outputs import RequestOutput
 from pagedllm.scheduler.policy import check_priority
 from pagedllm.sampling_params import SamplingParams
-
-
-# vLLM's LLM() arguments that mean nothing here: accepted where harmless, else refused with
-# what to use instead (a bare "unknown engine argument" left vLLM users guessing).
-_VLLM_NO_EFFECT = {"enforce_eager": "there are no CUDA graphs on a CPU", "trust_remote_code": "pagedllm runs its own model code"}
-_VLLM_INSTEAD = {
-    "gpu_memory_utilization": "the KV pool is kv_cache_space GiB (or num_kv_blocks); `pagedllm estimate` prints what fits",
-    "tokenizer": "the tokenizer is read from the model (GGUF metadata or the checkpoint's directory)",
-    "cpu_offload_gb": "weights and KV cache are in RAM already",
-}
-
-
-def _vllm_only_args(engine_args: dict[str, Any]) -> dict[str, Any]:
-    """``engine_args`` without vLLM's harmless arguments (``disable_log_stats`` is kept: it
-    maps to no stats line); a ValueError for the ones that would change something."""
-    for name, instead in _VLLM_INSTEAD.items():
-        if name in engine_args:
-            raise ValueError(f"{name} is vLLM's and has no meaning here: {instead}")
-    return {k: v for k, v in engine_args.items() if k not in _VLLM_NO_EFFECT}
 
 
 class LLM:
@@ -56,7 +38,7 @@ class LLM:
         ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
         ``kv_cache_space``, ``enable_prefix_caching``, ...; see ``pagedllm/config.py``)."""
         known = {f.name for f in fields(EngineConfig)}
-        engine_args = _vllm_only_args(engine_args)
+        engine_args = check_llm_args(engine_args)  # vLLM's arguments without meaning here (vllm_args.py)
         if engine_args.pop("disable_log_stats", False):
             log_stats_interval = math.inf
         unknown = sorted(set(engine_args) - known)

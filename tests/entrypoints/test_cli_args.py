@@ -31,8 +31,11 @@ from pagedllm.entrypoints.cli import main
     (["bench", "latency", "--num-iters", "0"], "argument --num-iters: must be at least 1"),
     (["bench", "prefix-cache", "--system-tokens", "-5"], "argument --system-tokens: must be at least 1"),
     # vLLM flags that would size or change something here are refused with what to use instead.
-    (["serve", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's .* --kv-cache-space"),
+    (["serve", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's .* kv_cache_space"),
     (["serve", "--tokenizer", "x"], "--tokenizer is vLLM's .* read from the model"),
+    (["serve", "--tokenizer-mode", "slow"], "--tokenizer-mode slow is not available here"),
+    (["serve", "--max-logprobs", "50"], "--max-logprobs is vLLM's .* up to 20 logprobs"),
+    (["serve", "--revision", "main"], "--revision is vLLM's .*no downloads"),
     (["serve", "--chat-template", "t.jinja"], "--chat-template is vLLM's .* --trust-request-chat-template"),
     # An unknown flag is named in the subcommand's usage (the top level's said nothing useful).
     (["serve", "--no-such-flag"], r"usage: pagedllm serve [\s\S]*pagedllm serve: error: unrecognized arguments: --no-such-flag"),
@@ -55,7 +58,8 @@ def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch, tiny_llama):
 
     seen = {}
     monkeypatch.setattr(api_server, "run_server", lambda args, config: seen.update(args=args, config=config) or 0)
-    assert main(["serve", str(tiny_llama), "--enforce-eager", "--trust-remote-code", "--disable-log-requests"]) == 0
+    assert main(["serve", str(tiny_llama), "--enforce-eager", "--trust-remote-code", "--disable-log-requests",
+                 "--enable-chunked-prefill", "--tokenizer-mode", "auto", "--distributed-executor-backend", "mp"]) == 0
     assert seen["config"].model == str(tiny_llama) and seen["args"].model == str(tiny_llama)
     assert main(["serve", "--model", str(tiny_llama)]) == 0 and seen["config"].model == str(tiny_llama)
     assert main(["serve", str(tiny_llama), "--model", str(tiny_llama)]) == 0

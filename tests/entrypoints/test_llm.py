@@ -360,10 +360,15 @@ def test_streamed_samples_report_only_when_they_move(tiny_llama):
 def test_vllm_arguments_without_meaning_here(tiny_llama):
     """vLLM users' LLM() arguments: the harmless ones are accepted (disable_log_stats turns the
     stats line off), the others refused with what to use instead."""
-    llm = LLM(str(tiny_llama), num_kv_blocks=16, enforce_eager=True, trust_remote_code=True, disable_log_stats=True)
+    llm = LLM(str(tiny_llama), num_kv_blocks=16, enforce_eager=True, trust_remote_code=True, disable_log_stats=True,
+              enable_chunked_prefill=True, tokenizer_mode="auto", distributed_executor_backend="mp")  # fmt: skip
     assert llm.llm_engine.stats.interval == float("inf")
     with pytest.raises(ValueError, match="gpu_memory_utilization is vLLM's .* kv_cache_space"):
         LLM(str(tiny_llama), gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False is not available here: prefill is always chunked"):
+        LLM(str(tiny_llama), enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="revision is vLLM's .*no downloads"):
+        LLM(str(tiny_llama), revision="main")
     with pytest.raises(ValueError, match="unknown engine argument.* no_such_arg"):
         LLM(str(tiny_llama), no_such_arg=1)
 
