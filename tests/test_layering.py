@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pagedllm"
 LAYERS = {
     "kernels": 0,
     "checks": 0.5,  # type checks the configs and sampling parameters share
-    "version": 1, "config": 1, "logger": 1, "threads": 1, "memory": 1, "sampling_params": 1, "outputs": 1, "lora": 1,
+    "version": 1, "config": 1, "logger": 1, "threads": 1, "memory": 1, "sampling_params": 1, "outputs": 1, "lora": 1, "inputs": 1,
     "request": 2,
     "kv_cache": 3, "kv_connector": 3, "attention": 3, "sampler": 3, "quantization": 3,
     "scheduler": 4, "model": 4, "spec_decode": 4,
@@ -32,7 +32,7 @@ LAYERS = {
     "cli": 10, "__init__": 10,
 }  # fmt: skip
 # What ``from pagedllm import X`` resolves to (the package root re-exports these).
-ROOT_EXPORTS = {"LLM": "entrypoints", "LoRARequest": "lora", "SamplingParams": "sampling_params", "StructuredOutputsParams": "sampling_params", "RequestOutput": "outputs",
+ROOT_EXPORTS = {"LLM": "entrypoints", "TextPrompt": "inputs", "TokensPrompt": "inputs", "LoRARequest": "lora", "SamplingParams": "sampling_params", "StructuredOutputsParams": "sampling_params", "RequestOutput": "outputs",
                 "CompletionOutput": "outputs", "__version__": "version"}  # fmt: skip
 
 

@@ -407,3 +407,12 @@ def test_vllm_argument_orders_and_prompt_forms(tiny_llama):
     twin = sp.clone()
     assert twin == sp and twin.stop is not sp.stop
     assert llm.reset_prefix_cache() is True
+
+
+def test_vllm_prompt_types(llm):
+    from pagedllm import TextPrompt, TokensPrompt
+
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    (a,) = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), greedy, use_tqdm=False)
+    (b,) = llm.generate([5, 6, 7], greedy, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and TextPrompt(prompt="x") == {"prompt": "x"}
