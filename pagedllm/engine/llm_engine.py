@@ -60,7 +60,8 @@ class LLMEngine:
             info = load_model_info(config)
         self.source, self.arch, self.tokenizer = info.source, info.arch, info.tokenizer
         self.eos_token_ids, self.max_model_len = info.eos_token_ids, info.max_model_len
-        log_generation_defaults(info.generation)  # (generation_config.json: the entry points apply its defaults)
+        # (generation_config.json: its eos ids are in eos_token_ids; the entry points apply its defaults)
+        log_generation_defaults(info.generation, set(info.arch.eos_token_ids))
         sizes = kv_cache_sizes(config, info.arch)
         self.kv_cache_manager = KVCacheManager(
             sizes.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=sizes.num_swap_blocks,

@@ -47,11 +47,13 @@ def check_llm_args(engine_args: dict[str, Any]) -> dict[str, Any]:
 class _Checked(argparse.Action):
     """A refused flag (``instead``), or one whose harmless values (``only``) are accepted."""
 
-    def __init__(self, option_strings, dest, instead: str, only: tuple = (), **kwargs):
+    def __init__(self, option_strings, dest, instead: str, only: tuple = (), nargs: int = 1, **kwargs):
         self.instead, self.only = instead, only
-        super().__init__(option_strings, dest, nargs=1, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        super().__init__(option_strings, dest, nargs=nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if not values:  # a switch (``--no-enable-chunked-prefill``)
+            parser.error(f"{option_string} is not available here: {self.instead}")
         if values[0] in self.only:
             return
         if self.only:
@@ -69,6 +71,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, default=None, help=f"accepted, no effect: {why}")
         else:
             g.add_argument(flag, action="store_true", help=f"accepted, no effect: {why}")
+    g.add_argument("--no-enable-chunked-prefill", action=_Checked, nargs=0, instead=ONLY["enable_chunked_prefill"][1])
     g.add_argument("--tokenizer-mode", action=_Checked, only=ONLY["tokenizer_mode"][0], instead=ONLY["tokenizer_mode"][1])
     for name, instead in {**INSTEAD, **SERVE_INSTEAD}.items():
         flags = ["--" + name.replace("_", "-")] + (["--kv-offloading-size"] if name == "cpu_offload_gb" else [])

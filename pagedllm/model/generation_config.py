@@ -72,8 +72,9 @@ def default_sampling_params(defaults: GenerationDefaults) -> SamplingParams:
     return SamplingParams(**defaults.sampling)
 
 
-def log_defaults(defaults: GenerationDefaults) -> None:
-    if defaults.sampling or defaults.eos_token_ids:
+def log_defaults(defaults: GenerationDefaults, known_eos: frozenset[int] | set[int] = frozenset()) -> None:
+    """The startup line, when the file changes something (``known_eos``: the model's own)."""
+    if defaults.sampling or set(defaults.eos_token_ids) - set(known_eos):
         logger.info("generation config %s: request defaults %s, end-of-reply ids %s (the model authors' choice; "
                     "--generation-config vllm keeps only its eos ids)", defaults.path, defaults.sampling or "unchanged",
                     defaults.eos_token_ids or "unchanged")  # fmt: skip

@@ -34,6 +34,7 @@ from pagedllm.entrypoints.cli import main
     (["serve", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's .* kv_cache_space"),
     (["serve", "--tokenizer", "x"], "--tokenizer is vLLM's .* read from the model"),
     (["serve", "--tokenizer-mode", "slow"], "--tokenizer-mode slow is not available here"),
+    (["serve", "--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not available here: prefill is always chunked"),
     (["serve", "--max-logprobs", "50"], "--max-logprobs is vLLM's .* up to 20 logprobs"),
     (["serve", "--revision", "main"], "--revision is vLLM's .*no downloads"),
     (["serve", "--chat-template", "t.jinja"], "--chat-template is vLLM's .* --trust-request-chat-template"),

@@ -91,9 +91,14 @@ def test_echo_without_generation_scores_the_prompt(server):
     lp, ref = choice["logprobs"], generated["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == n and lp["token_logprobs"][0] is None
     assert lp["token_logprobs"] == ref["token_logprobs"][:n] and lp["tokens"] == ref["tokens"][:n]
-    for bad in ({"prompt": prompt, "max_tokens": 0}, {**body, "max_tokens": 0, "stream": True}):
-        r = post(server, "/v1/completions", bad)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0})  # without echo: nothing to return
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    # Streamed: the same text and logprobs in chunks, then usage without completion tokens.
+    chunks = sse(post(server, "/v1/completions", {**body, "max_tokens": 0, "stream": True, "stream_options": {}}))
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in choices) == prompt and choices[-1]["finish_reason"] == "length"
+    assert sum((c["logprobs"]["token_logprobs"] for c in choices), []) == lp["token_logprobs"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
 
 
 def test_top_level_structural_tag_constrains_the_output(server):
@@ -113,13 +118,14 @@ def test_top_level_structural_tag_constrains_the_output(server):
 
 
 def test_several_served_model_names(tiny_llama_tok):
-    """``--served-model-name A B``: requests may name either; answers name the first (vLLM's)."""
+    """``--served-model-name A B``: requests may name either, answers name the one asked for
+    (vLLM's); /v1/models lists them all."""
     srv = ServerProcess(["--model", str(tiny_llama_tok), *ENGINE_ARGS, "--served-model-name", "first", "second"])
     try:
         assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == ["first", "second"]
         for name in ("first", "second", str(tiny_llama_tok)):
             r = post(srv, "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 2})
-            assert r.status_code == 200 and r.json()["model"] == "first", (name, r.text)
+            assert r.status_code == 200 and r.json()["model"] == name, (name, r.text)  # the name asked for, as vLLM
         assert post(srv, "/v1/completions", {"model": "third", "prompt": "Hi", "max_tokens": 2}).status_code == 404
     finally:
         assert srv.stop() == 0

@@ -378,7 +378,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default: %(default)s)")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="model name in the API; as vLLM, several names are all accepted in a request's model field and the first is the one answers name (default: SmolLM2-135M-Instruct for the embedded model, else --model as given)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", help="model name in the API; as vLLM, several names are all accepted in a request's model field, and an answer names the one asked for (the first when a request names none) (default: SmolLM2-135M-Instruct for the embedded model, else --model as given)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics (or set PAGEDLLM_API_KEY)")
     g.add_argument("--guard-metrics", action="store_true", help="with an API key, /metrics needs it too")
     g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse new requests with 503 + Retry-After while this many wait to be scheduled (default: max(1024, 8 x --max-num-seqs); 0 = no limit)")

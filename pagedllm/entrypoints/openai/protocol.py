@@ -293,8 +293,6 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
-        if self.echo_only and self.stream:
-            raise ValueError("max_tokens 0 (echo without generation) is not supported with stream")
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
         if self.stream and self.best_of is not None and self.best_of > self.n and not self.use_beam_search:
             raise ValueError("best_of > n is not supported with stream (the best samples are known only at the end)")

@@ -195,8 +195,9 @@ class OpenAIServing:
         self._next_lora_id = 1
 
     def response_model(self, req: Any) -> str:
-        """The ``model`` an answer names: the adapter asked for, else the base model."""
-        return req.model if req.model in self.loras else self.model_name
+        """The ``model`` an answer names: the one the request asked for (an adapter, or any of
+        the base model's names: the server checked it), else the base model's first name (vLLM's)."""
+        return req.model or self.model_name
 
     def new_lora_request(self, name: str, path: str) -> LoRARequest:
         """A LoRARequest with a fresh id: an adapter loaded again under the same name (maybe
@@ -312,18 +313,24 @@ class OpenAIServing:
                 prompt_lps[i] = out.prompt_logprobs
             for c in out.outputs:
                 idx = i * n + c.index
-                text = c.text
+                text, token_ids, token_lps = c.text, c.token_ids, c.logprobs or []
+                finish_reason, stop_reason = c.finish_reason, c.stop_reason
+                if req.echo_only:  # the prompt alone: what was drawn to run the request is dropped
+                    text, token_ids, token_lps = "", [], []
+                    finish_reason, stop_reason = ("length" if finish_reason else None), None
+                    if idx in echoed and finish_reason is None:
+                        continue
                 entries: list[tuple[int, PositionLogprobs | None]] = []
                 if req.echo and idx not in echoed:  # the prompt (and its logprobs) before a sample's first text
                     echoed.add(idx)
                     text = self._prompt_text(out) + text
                     if params.logprobs is not None:
                         entries += list(zip(out.prompt_token_ids, prompt_lps.get(i) or [None] * len(out.prompt_token_ids)))
-                completion_tokens += len(c.token_ids)
+                completion_tokens += len(token_ids)
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = self._completion_logprobs(
-                        entries + list(zip(c.token_ids, c.logprobs or [])), params.logprobs, text_offsets.get(idx, 0)
+                        entries + list(zip(token_ids, token_lps)), params.logprobs, text_offsets.get(idx, 0)
                     )
                     if logprobs["tokens"]:
                         text_offsets[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
@@ -333,7 +340,7 @@ class OpenAIServing:
                     "created": created,
                     "model": self.response_model(req),
                     "choices": [
-                        {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
                     ],
                 }
                 if include_usage:
