@@ -60,8 +60,11 @@ class LLMEngine:
             info = load_model_info(config)
         self.source, self.arch, self.tokenizer = info.source, info.arch, info.tokenizer
         self.eos_token_ids, self.max_model_len = info.eos_token_ids, info.max_model_len
-        # (generation_config.json: its eos ids are in eos_token_ids; the entry points apply its defaults)
-        log_generation_defaults(info.generation, set(info.arch.eos_token_ids))
+        # generation_config.json: its eos ids beyond the model's stop every request as stop ids
+        # (vLLM's update_from_generation_config: stop_reason is the id); the entry points apply
+        # its sampling defaults.
+        self.extra_stop_ids = frozenset(info.generation.eos_token_ids) - self.eos_token_ids
+        log_generation_defaults(info.generation, self.eos_token_ids)
         sizes = kv_cache_sizes(config, info.arch)
         self.kv_cache_manager = KVCacheManager(
             sizes.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks=sizes.num_swap_blocks,
@@ -206,6 +209,8 @@ class LLMEngine:
         if lora_request is not None:
             self.add_lora(lora_request)
         params = req.sampling_params
+        if self.extra_stop_ids and not params.ignore_eos and not params.use_beam_search:
+            params = replace(params, stop_token_ids=sorted(set(params.stop_token_ids or ()) | self.extra_stop_ids))
         request_id = request_id if request_id is not None else self.next_request_id()
         if params.use_beam_search:  # engine/beam_search.py; one final output with the n best beams
             beam = beam_params_from(params)

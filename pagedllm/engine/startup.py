@@ -146,10 +146,10 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
 
 
 def load_tokenizer_and_eos(source: ModelSource, arch: ModelArch, generation: GenerationDefaults) -> tuple[Any | None, frozenset[int]]:
-    """The tokenizer, and every id that ends a reply: the model's, the tokenizer's and those
-    of generation_config.json."""
+    """The tokenizer and the model's EOS ids: the config's and the tokenizer's (those that only
+    generation_config.json lists are stop ids of each request: ``LLMEngine.add_request``)."""
     tokenizer = load_tokenizer(source)
-    eos = set(arch.eos_token_ids) | set(generation.eos_token_ids)
+    eos = set(arch.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return tokenizer, frozenset(eos)

@@ -4,9 +4,10 @@ extra tokens that end a reply.
 vLLM reads it by default (``--generation-config auto``): a request that leaves out
 temperature, top_p, top_k, min_p or repetition_penalty gets the file's value, its
 ``max_new_tokens`` caps max_tokens, and its ``eos_token_id`` (one id or a list) also ends
-generation. Instruct checkpoints often list their end-of-turn token only there, so without it
-replies run to max_tokens. ``vllm`` keeps only those eos ids (vLLM reads them in both modes);
-a directory reads that directory's file.
+generation: the ids the model does not already end on become stop ids of every request
+(``LLMEngine.add_request``). Instruct checkpoints often list their end-of-turn token only
+there, so without it replies run to max_tokens. ``vllm`` keeps only those eos ids (vLLM reads
+them in both modes); a directory reads that directory's file.
 A GGUF file carries no such file (its EOS ids are in its metadata).
 """
 

@@ -71,6 +71,7 @@ def test_offline_defaults_and_eos_ids_from_the_file(tiny_llama, tmp_path):
     assert llm.get_default_sampling_params().temperature == 0.0 and llm.get_default_sampling_params().max_tokens == 6
     out = llm.generate([prompt], use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens[: tokens.index(tokens[1]) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == tokens[1]  # a stop id of the request, as vLLM (the model's own EOS gives None)
     # ignore_eos still runs past it; "vllm" ignores the file.
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens
@@ -78,4 +79,4 @@ def test_offline_defaults_and_eos_ids_from_the_file(tiny_llama, tmp_path):
     kept = LLM(str(path), generation_config="vllm", num_kv_blocks=32, log_stats_interval=1e9)
     assert kept.get_default_sampling_params() == SamplingParams()
     out = kept.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == tokens[: tokens.index(tokens[1]) + 1] and out.finish_reason == "stop"
+    assert out.token_ids == tokens[: tokens.index(tokens[1]) + 1] and (out.finish_reason, out.stop_reason) == ("stop", tokens[1])
