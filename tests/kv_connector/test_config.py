@@ -51,3 +51,22 @@ def test_cli_flag(tmp_path):
     add_engine_args(parser)
     args = parser.parse_args(["--kv-transfer-config", f'{{"kv_connector": "disk", "path": "{tmp_path}"}}'])
     assert engine_config_from_args(args).kv_transfer_config == KVTransferConfig(path=str(tmp_path))
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("mistral", dict(sliding_window=32)),  # every layer sliding
+    ("gemma3_text", dict(head_dim=16, num_hidden_layers=6, sliding_window=6, query_pre_attn_scalar=24)),  # hybrid
+])  # fmt: skip
+def test_sliding_window_models_are_refused(tmp_path, model_type, overrides):
+    """The connector loads and saves one table's blocks for every layer, and a request's first
+    step would take blocks for every external token in a sliding group, past what admission
+    allows (a probe left such a request waiting forever with the refusal bypassed): until both
+    are per group, these models are refused when the engine is built."""
+    from pagedllm.engine.llm_engine import LLMEngine
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / model_type, model_type, **overrides)
+    config = EngineConfig(model=str(path), num_kv_blocks=32,
+                          kv_transfer_config={"kv_connector": "disk", "kv_role": "kv_both", "path": str(tmp_path / "kv")})  # fmt: skip
+    with pytest.raises(ValueError, match="kv_transfer_config: models with sliding-window layers are not supported"):
+        LLMEngine(config, log_stats_interval=0)
