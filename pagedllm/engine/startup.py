@@ -137,7 +137,7 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
     if tokenizer:
         with times.phase("tokenizer"):
             generation = read_generation_config(config.generation_config, source.path)
-            tok, eos = load_tokenizer_and_eos(source, arch, generation)
+            tok, eos = load_tokenizer_and_eos(source, arch)
     # What loading left resident for nothing (memory.py): the weight files' pages it read and
     # the heap's freed copies.
     drop_file_pages(weight_files(source.path))
@@ -145,7 +145,7 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
     return LoadedModel(source, arch, model, tok, eos, max_model_len, times, placement.dense, generation)
 
 
-def load_tokenizer_and_eos(source: ModelSource, arch: ModelArch, generation: GenerationDefaults) -> tuple[Any | None, frozenset[int]]:
+def load_tokenizer_and_eos(source: ModelSource, arch: ModelArch) -> tuple[Any | None, frozenset[int]]:
     """The tokenizer and the model's EOS ids: the config's and the tokenizer's (those that only
     generation_config.json lists are stop ids of each request: ``LLMEngine.add_request``)."""
     tokenizer = load_tokenizer(source)
@@ -177,7 +177,7 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
         source = resolve_model(config.model)
         arch, _ = read_tensors(source)
         generation = read_generation_config(config.generation_config, source.path)
-        tokenizer, eos = load_tokenizer_and_eos(source, arch, generation)
+        tokenizer, eos = load_tokenizer_and_eos(source, arch)
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
