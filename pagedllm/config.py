@@ -372,6 +372,11 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts a step may verify after a request's known tokens (0 without speculation)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
+
+    @property
     def lora_cpu_capacity(self) -> int:
         """Adapters kept loaded (max_cpu_loras, default max_loras)."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras

@@ -504,8 +504,7 @@ def kv_capacity(config: EngineConfig, arch: ModelArch, max_model_len: int, conte
     return KVCapacity(
         config.block_size, sizes.num_blocks, sizes.block_bytes, len(sizes.layout.groups), arch.num_layers,
         resolve_kv_cache_dtype(config.kv_cache_dtype, config.torch_dtype).name, max_model_len,
-        max_request_tokens(config.max_num_batched_tokens, config.long_prefill_token_threshold,
-                           config.speculative_config.num_speculative_tokens if config.speculative_config else 0),
+        max_request_tokens(config.max_num_batched_tokens, config.long_prefill_token_threshold, config.num_speculative_tokens),
         sizes.layout.windows, context,
     )  # fmt: skip
 

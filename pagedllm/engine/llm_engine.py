@@ -79,7 +79,7 @@ class LLMEngine:
                 scheduling_policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
                 max_loras=config.max_loras if config.enable_lora else 0,
-                num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
+                num_speculative_tokens=config.num_speculative_tokens,
             ),
             self.kv_cache_manager,
         )
