@@ -70,6 +70,7 @@ class DPAsyncLLM(RequestStreams):
         self.dead: BaseException | None = None
         self.on_dead: list[Callable[[BaseException], None]] = []
         self.output_hooks: list[Any] = []
+        self.request_hooks: list[Any] = []  # hook(request_id, ProcessedRequest) per accepted request
         self._stat_loggers: list[tuple[Any, int | None]] = []
         self._lock = threading.Lock()  # streams, calls, balancer state, death
         self._streams: dict[str, tuple[int, _Stream, ProcessedRequest]] = {}  # request id -> replica, stream, input
@@ -189,6 +190,9 @@ class DPAsyncLLM(RequestStreams):
             with self._lock:
                 self._forget(request_ids)
             raise
+        for hook in self.request_hooks:
+            for rid, p in zip(request_ids, processed):
+                hook(rid, p)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
 
     def _forget(self, request_ids: list[str]) -> None:

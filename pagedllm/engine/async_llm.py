@@ -146,6 +146,8 @@ class AsyncLLM(RequestStreams):
         self._lock = threading.Lock()  # orders commands against the engine's death
         # Callbacks run in the engine thread for every output (e.g. per-token metrics).
         self.output_hooks: list[Any] = []
+        # ``hook(request_id, ProcessedRequest)`` for every accepted request (the metrics' params).
+        self.request_hooks: list[Any] = []
         # The engine thread builds the engine and then runs every step, so one thread alone
         # runs OpenMP teams. OpenMP (torch's runtime, which the native kernels share) keeps
         # its workers spinning between parallel regions only while it manages no more threads
@@ -197,6 +199,9 @@ class AsyncLLM(RequestStreams):
             for rid in request_ids:
                 self.abort(rid)
             raise
+        for hook in self.request_hooks:
+            for rid, p in zip(request_ids, processed):
+                hook(rid, p)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
 
     async def call_in_engine(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:

@@ -263,6 +263,19 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
         # Every finish reason's series exists from the start (0 for abort here), as vLLM's.
         text = httpx.get(f"{srv.url}/metrics", timeout=5).text
         assert all(f'finished_reason="{r}"' in text for r in ("stop", "length", "abort", "error"))
+        # vLLM's request-parameter histograms: n (1, 2, 1, 2, 1; chat 1; 1, 1; best_of's n 1;
+        # beams 2) and max_tokens; every sample ran to max_tokens, so each request's longest
+        # sequence is its max_tokens.
+        assert srv.metric("pagedllm:request_params_n_count") == 10
+        assert srv.metric("pagedllm:request_params_n_sum") == 13
+        max_tokens_sum = (3 + 4 + 5 + 6 + 7) + 4 + sum(kw["max_tokens"] for kw in extra)
+        assert srv.metric("pagedllm:request_params_max_tokens_sum") == max_tokens_sum
+        assert srv.metric("pagedllm:request_max_num_generation_tokens_count") == 10
+        assert srv.metric("pagedllm:request_max_num_generation_tokens_sum") == max_tokens_sum
+        info = next(line for line in text.splitlines() if line.startswith("pagedllm:cache_config_info{"))
+        for label in ('block_size="16"', 'num_gpu_blocks="400"', 'num_cpu_blocks="0"', 'enable_prefix_caching="True"'):
+            assert label in info, info
+        assert info.endswith(" 1.0")
     finally:
         assert srv.stop() == 0
 

@@ -8,10 +8,11 @@ its own registry, so two engines in one process do not collide.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm.engine.startup import kv_cache_sizes
 from pagedllm.engine.stats import StepStats
 from pagedllm.kv_connector.base import KVConnectorStats
 from pagedllm.outputs import RequestOutput
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's for request_params_n
+
+
+def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's buckets for max_tokens)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class KVConnectorMetrics:
@@ -124,6 +137,25 @@ class ServerMetrics:
         self.iteration_tokens = Histogram("pagedllm:iteration_tokens_total", "Tokens per engine step.", ["model_name"], buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)
         self.request_prompt_tokens = Histogram("pagedllm:request_prompt_tokens", "Prompt tokens per finished request.", ["model_name"],
                                                buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        max_len = engine.max_model_len
+        self.request_max_generation_tokens = Histogram(
+            "pagedllm:request_max_num_generation_tokens", "Output tokens of a finished request's longest sample (its sequence length).",
+            ["model_name"], buckets=_1_2_5_buckets(max_len), registry=r,
+        ).labels(**labels)  # fmt: skip
+        # A request's parameters, observed when it is accepted (vLLM observes at the finish;
+        # accepted and finished differ only by the requests still running).
+        self.params_n = Histogram("pagedllm:request_params_n", "The n parameter of each request.", ["model_name"],
+                                  buckets=_N_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.params_max_tokens = Histogram("pagedllm:request_params_max_tokens", "The max_tokens parameter of each request (as resolved).",
+                                           ["model_name"], buckets=_1_2_5_buckets(max_len), registry=r).labels(**labels)  # fmt: skip
+        # vLLM's cache_config_info: the pool's shape as labels (per replica with data parallelism;
+        # "gpu" is the KV pool, "cpu" the swap pool of preemption_mode="swap").
+        config, sizes = engine.config, kv_cache_sizes(engine.config, engine.arch)
+        Gauge("pagedllm:cache_config_info", "The KV cache's configuration (labels); the value is 1.",
+              ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks"], registry=r).labels(
+                  block_size=str(config.block_size), cache_dtype=str(config.kv_cache_dtype),
+                  enable_prefix_caching=str(config.enable_prefix_caching), num_gpu_blocks=str(sizes.num_blocks),
+                  num_cpu_blocks=str(sizes.num_swap_blocks)).set(1)  # fmt: skip
         self.request_generation_tokens = Histogram("pagedllm:request_generation_tokens", "Output tokens per finished request (all its samples, as usage counts them).",
                                                    ["model_name"], buckets=_TOKEN_BUCKETS, registry=r).labels(**labels)  # fmt: skip
         # Speculative decoding (vLLM's spec_decode counters); per_pos: accepted at draft position j.
@@ -155,6 +187,14 @@ class ServerMetrics:
         self._output_tokens: dict[str, dict[int, int]] = {}  # request id -> sample index -> output tokens so far
         async_llm.add_stat_logger(self)
         async_llm.output_hooks.append(self.on_output)
+        async_llm.request_hooks.append(self.on_request)
+
+    def on_request(self, request_id: str, req: Any) -> None:
+        """An accepted request (a ProcessedRequest): its sampling parameters."""
+        params = req.sampling_params
+        self.params_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.params_max_tokens.observe(params.max_tokens)
 
     def record(self, stats: StepStats) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
@@ -223,6 +263,7 @@ class ServerMetrics:
             self._last_token_time.pop(out.request_id, None)
             self.request_prompt_tokens.observe(len(out.prompt_token_ids))
             self.request_generation_tokens.observe(output_tokens)
+            self.request_max_generation_tokens.observe(max(per_sample.values(), default=0))
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
             self.request_success.labels(finished_reason=reason, **self.labels).inc()
             if m is not None:
