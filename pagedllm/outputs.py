@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -73,3 +74,5 @@ class RequestOutput:
     # With `error`: the request itself was invalid (found in the engine, not when it was
     # added), so `error` is the user's to read, like a ValueError's message.
     rejected: bool = False
+    # The LoRARequest the request ran with (None: the base model), as vLLM's RequestOutput.
+    lora_request: Any = None

@@ -395,7 +395,7 @@ class BeamSearch:
             out.score = score  # type: ignore[attr-defined]  # the length-penalized ranking value
             outputs.append(out)
         self._ready.append(RequestOutput(group.group_id, group.prompt, group.prompt_token_ids, outputs, finished=True,
-                                         metrics=group.metrics()))  # fmt: skip
+                                         metrics=group.metrics(), lora_request=group.lora_request))  # fmt: skip
 
     def abort(self, group_id: str, error: str | None = None) -> RequestOutput | None:
         """End a search now (its requests and holders freed); returns its final output
@@ -412,7 +412,7 @@ class BeamSearch:
         self._start_waiting()
         out = RequestOutput(group_id, group.prompt, group.prompt_token_ids,
                             [CompletionOutput(0, "", [], finish_reason="abort" if error is None else "error")],
-                            finished=True, metrics=group.metrics(), error=error)  # fmt: skip
+                            finished=True, metrics=group.metrics(), error=error, lora_request=group.lora_request)  # fmt: skip
         self._ready.append(out)
         return out
 

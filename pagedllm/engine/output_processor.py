@@ -138,6 +138,7 @@ class OutputProcessor:
             finished=True,
             error=next((s.request.error for s in parent.samples if s.request.error), "building the output failed"),
             rejected=any(s.request.rejected for s in parent.samples),
+            lora_request=first.lora_request,
         )
 
     def _output(self, parent: _Parent, finished: bool) -> RequestOutput:
@@ -188,6 +189,7 @@ class OutputProcessor:
             num_preemptions=sum(s.request.num_preemptions for s in parent.samples),
             error=next((s.request.error for s in parent.samples if s.request.error), None),
             rejected=any(s.request.rejected for s in parent.samples),
+            lora_request=first.lora_request,
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,

@@ -249,6 +249,7 @@ def test_two_adapters_and_base_never_share_kv_blocks(base, adapters):
     outs = llm.generate([prompt] * 3, params, lora_request=[None, a, b], use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3
+    assert [o.lora_request for o in outs] == [None, a, b]  # each output names its adapter, as vLLM's
 
 
 @pytest.mark.parametrize("config", [dict(), dict(num_kv_blocks=12, max_num_batched_tokens=16)], ids=["default", "preemption"])
@@ -344,6 +345,7 @@ def test_beam_search_runs_with_the_adapter(base, adapters):
     got = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora(adapters, "all8-rslora", 1), use_tqdm=False)
     base_beams = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0, len(prompt):].tolist() != base_beams[0].outputs[0].token_ids
+    assert got[0].lora_request == lora(adapters, "all8-rslora", 1) and base_beams[0].lora_request is None
 
 
 def test_an_adapted_request_s_logprobs_do_not_depend_on_its_batch(base, adapters):
