@@ -138,6 +138,7 @@ class LLMEngine:
         self.best_of = BestOf()
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
+        self._loras_to_drop: set[int] = set()  # adapters removed while live requests still use them
         # Pipeline parallel: batches in flight, oldest first, and results collected early.
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._drained: deque[tuple[SchedulerOutput, ModelRunnerOutput | None]] = deque()
@@ -296,13 +297,25 @@ class LLMEngine:
         if self._lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
         self._lora.add(lora_request)
+        self._loras_to_drop.discard(lora_request.lora_int_id)  # wanted again
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop a loaded adapter now, unless requests still use it: then it stays loaded for
-        them, and the LRU drops it once it is no longer needed. True if dropped now."""
-        if self._lora is None or any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+        """Drop a loaded adapter now, unless live requests still use it (scheduled, held back
+        for a grammar or sample 0, a beam search waiting for room): then it stays loaded for
+        them and is dropped after the step where the last of them ends. True if dropped now."""
+        if self._lora is None:
+            return False
+        if lora_int_id in self._loras_in_use():
+            self._loras_to_drop.add(lora_int_id)
             return False
         return self._lora.remove(lora_int_id)
+
+    def _drop_unused_loras(self) -> None:
+        """The removals ``remove_lora`` deferred, once no live request uses the adapter."""
+        if self._loras_to_drop:
+            for lora_int_id in self._loras_to_drop - self._loras_in_use():
+                self._loras_to_drop.discard(lora_int_id)
+                self._lora.remove(lora_int_id)
 
     def _loras_in_use(self) -> set[int]:
         """Adapter ids of every live request: scheduled, held back (n > 1, grammars) or a beam search."""
@@ -333,7 +346,7 @@ class LLMEngine:
         return outputs
 
     def _end_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
-        self.beams.abort(request_id)  # a beam search: its beams' requests and blocks
+        self.beams.abort(request_id, error)  # a beam search: its beams' requests and blocks
         for sample_id in self._samples_of.pop(request_id, []):
             req = self.scheduler.end(sample_id, status)
             if req is not None:
@@ -412,7 +425,9 @@ class LLMEngine:
         if sched_out.is_empty:
             self._update_states(sched_out)  # forget ended requests, apply pending moves
             self.report_idle()
-            return self.output_processor.make_outputs()
+            outputs = self.output_processor.make_outputs()
+            self._drop_unused_loras()
+            return outputs
         self.faults.after_schedule(self._prompts(sched_out))
         self._update_states(sched_out)
         sched_out.grammar = self.structured.bitmask(sched_out.scheduled)
@@ -457,7 +472,9 @@ class LLMEngine:
                     return self.output_processor.make_outputs()
         if not queue:
             self.report_idle()
-            return self.output_processor.make_outputs()
+            outputs = self.output_processor.make_outputs()
+            self._drop_unused_loras()
+            return outputs
         sched_out = queue.popleft()
         try:
             result = self.executor.collect()
@@ -555,7 +572,9 @@ class LLMEngine:
             num_uncacheable_tokens=sched_out.num_uncacheable_tokens,
             spec=spec,
         )
-        return self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
+        outputs = self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
+        self._drop_unused_loras()  # (after the outputs: finished requests are gone from the queues)
+        return outputs
 
     def _update_states(self, out: SchedulerOutput) -> None:
         try:

@@ -57,6 +57,16 @@ def test_fault_in_a_parallel_sampling_request_fails_all_its_samples(faulty):
     assert faulty.llm_engine.kv_cache_manager.usage() == 0.0
 
 
+def test_a_failed_beam_search_ends_with_its_error_not_as_an_abort(faulty):
+    """Found by an adversarial session: a beam search the engine failed came back as an abort
+    (finish_reason "abort", no error), so the server answered 200 with empty text."""
+    beams = SamplingParams(temperature=0, max_tokens=6, use_beam_search=True, best_of=2, ignore_eos=True)
+    outs = faulty.generate([{"prompt_token_ids": [10, MARK, 11]}, {"prompt_token_ids": [5, 6, 7]}], beams, use_tqdm=False)
+    assert [c.finish_reason for c in outs[0].outputs] == ["error"] and "injected" in outs[0].error
+    assert len(outs[1].outputs[0].token_ids) == 6 and outs[1].error is None
+    assert faulty.llm_engine.kv_cache_manager.usage() == 0.0
+
+
 def test_a_fault_every_request_hits_on_its_own_is_the_engines(faulty):
     prompts = [{"prompt_token_ids": [MARK, i]} for i in range(3, 6)]
     with pytest.raises(EngineDeadError):

@@ -43,7 +43,7 @@ def server(tiny_llama_tok, adapter_dirs):
     proc = ServerProcess(
         ["--model", str(tiny_llama_tok), "--served-model-name", "tiny", "--num-kv-blocks", "256", "--enable-lora",
          "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a={adapter_dirs['a']}",
-         json.dumps({"name": "b", "path": str(adapter_dirs["b"])})],
+         json.dumps({"name": "b", "path": str(adapter_dirs["b"])}), "--trust-request-chat-template"],
         env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
     )  # fmt: skip
     yield proc
@@ -128,6 +128,35 @@ def test_load_and_unload_while_other_adapters_serve(server, client, adapter_dirs
     # Loaded again under the same name: a new id (never another's KV blocks), same answers.
     r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapter_dirs["c"])}, timeout=30)
     assert r.status_code == 200 and _complete(client, "c") == c_text
+
+
+def test_a_request_unloaded_under_while_rendered_never_runs_on_the_base(server, adapter_dirs, tmp_path):
+    """Found by an adversarial session: a chat request looked its adapter up after rendering its
+    template, so an unload in between made it run on the base model, answered under the
+    adapter's name. It now takes the adapter its model named on arrival; unloaded before the
+    request reached the engine, with its files gone, that is a 400 naming the adapter."""
+    shutil.copytree(adapter_dirs["c"], tmp_path / "late")
+    load = {"lora_name": "late", "lora_path": str(tmp_path / "late")}
+    assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=load, timeout=30).status_code == 200
+    slow = "{% for i in range(30000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}Tell me a story"  # ~2 s
+
+    def chat(model: str) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": "x"}], "chat_template": slow, "max_tokens": 6,
+                "temperature": 0}  # fmt: skip
+        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+
+    adapted, base = (chat(m).json()["choices"][0]["message"]["content"] for m in ("late", "tiny"))
+    assert adapted != base
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(chat, "late")
+        time.sleep(0.5)  # (the template renders for ~2 s)
+        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=30).status_code == 200
+        shutil.rmtree(tmp_path / "late")  # its files may go once unloaded
+        r = pending.result()
+    if r.status_code == 200:
+        assert r.json()["model"] == "late" and r.json()["choices"][0]["message"]["content"] == adapted
+    else:  # unloaded before it reached the engine: its files are gone, a clean error naming it
+        assert r.status_code == 400 and "'late'" in r.json()["error"]["message"], r.text
 
 
 def test_concurrent_loads_of_one_name_load_it_once(server, adapter_dirs):

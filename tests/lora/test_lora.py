@@ -376,3 +376,51 @@ def test_lora_gauges_count_the_samples_held_back_as_waiting(base, adapters):
     assert engine.num_waiting() == 3 and engine.lora_requests_info() == ({}, {"qv4": 3})
     engine.abort_request("r")
     assert engine.lora_requests_info() == ({}, {})
+
+
+@pytest.mark.parametrize("held", ["grammar", "beam"])
+def test_an_unloaded_adapter_serves_its_accepted_requests_then_goes(tiny_llama_tok, tmp_path, held):
+    """Found by an adversarial session: ``remove_lora`` (the server's unload) looked only at the
+    scheduler's requests, so a request held back for its grammar, or a beam search waiting for
+    room in the pool, lost its adapter: with the adapter's directory deleted it failed (HTTP
+    500). And an adapter removed while in use stayed loaded after its requests ended."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.beam_search import BeamSearchParams
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    import transformers
+
+    base = tiny_llama_tok  # (a grammar needs a tokenizer)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    make_peft_adapter(hf_model, tmp_path / "kept", 8, ALL, seed=2, b_std=0.3)
+    shutil.copytree(tmp_path / "kept", tmp_path / "a")
+    a, same = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("kept", 2, str(tmp_path / "kept"))  # same weights
+    prompt = {"prompt_token_ids": [5, 9, 33, 71, 100, 3, 8]}
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}}, "required": ["k"]}
+    kv = dict(num_kv_blocks=64) if held == "grammar" else dict(num_kv_blocks=12, block_size=4)
+    engine = LLMEngine(EngineConfig(model=str(base), enable_lora=True, max_loras=1, max_lora_rank=16, **kv), log_stats_interval=0)
+
+    def add(request_id: str, req: LoRARequest) -> None:
+        if held == "grammar":
+            params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema))
+            engine.add_request(prompt, params, request_id, lora_request=req)
+        else:
+            engine.add_beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=8), request_id, lora_request=req)
+
+    def run() -> dict[str, list]:
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        return {rid: [c.token_ids for c in o.outputs] for rid, o in outs.items() if o.error is None}
+
+    add("ref", same)
+    expected = run()["ref"]
+    if held == "beam":  # a base-model search takes the pool's room, so the adapter's one waits
+        engine.add_beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=8), "first")
+    add("held", a)
+    assert "held" not in engine.scheduler.requests  # held outside the scheduler's queues
+    assert engine.remove_lora(1) is False and 1 in engine.list_loras()
+    shutil.rmtree(tmp_path / "a")  # allowed once unloaded (lora/manager.py)
+    assert run()["held"] == expected
+    assert 1 not in engine.list_loras() and engine.kv_cache_manager.usage() == 0.0  # dropped once unused

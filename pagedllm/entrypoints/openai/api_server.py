@@ -321,13 +321,15 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             logger.info("LoRA adapter %r unloaded", req.lora_name)
             return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
+    # A request's adapter is looked up as it arrives, with its model checked: an unload while the
+    # request is rendered must not leave it to run on the base model under the adapter's name.
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return check_model(req.model) or respond(await _unless_disconnected(request, serving.completion(req, request.headers.get("x-request-id"))))
+        return check_model(req.model) or respond(await _unless_disconnected(request, serving.completion(req, request.headers.get("x-request-id"), serving.loras.get(req.model or ""))))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return check_model(req.model) or respond(await _unless_disconnected(request, serving.chat(req, request.headers.get("x-request-id"))))
+        return check_model(req.model) or respond(await _unless_disconnected(request, serving.chat(req, request.headers.get("x-request-id"), serving.loras.get(req.model or ""))))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:

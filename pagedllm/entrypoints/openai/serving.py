@@ -240,8 +240,10 @@ class OpenAIServing:
         return self.llm.engine.output_processor._decode_one(token_id) if self.tokenizer is not None else ""
 
     # ------------------------------------------------------------------ completions
-    async def completion(self, req: CompletionRequest, client_id: str | None = None) -> dict | AsyncIterator[str]:
-        """``client_id``: the X-Request-Id header (else the body's request_id names the response)."""
+    async def completion(self, req: CompletionRequest, client_id: str | None = None,
+                         lora_request: LoRARequest | None = None) -> dict | AsyncIterator[str]:
+        """``client_id``: the X-Request-Id header (else the body's request_id names the response);
+        ``lora_request``: the adapter ``req.model`` named when the request arrived (None: the base)."""
         req.check_supported()
         check_priority(req.priority, self.scheduling_policy)
         params = req.to_sampling_params(self.sampling_defaults)
@@ -252,7 +254,7 @@ class OpenAIServing:
             prompts = await self._without_special_tokens(prompts)
         rid, engine_id = response_and_engine_ids("cmpl", client_id or req.request_id)
         created = int(time.time())
-        streams = await _start(self.llm, prompts, params, engine_id, req.priority, self.loras.get(req.model or ""), req.cache_salt)
+        streams = await _start(self.llm, prompts, params, engine_id, req.priority, lora_request, req.cache_salt)
         if req.stream:
             ids = _request_ids(engine_id, len(prompts))
             return _aborting_on_exit(self.llm, ids, self._completion_stream(req, params, streams, rid, created))
@@ -384,7 +386,9 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     # ------------------------------------------------------------------ chat
-    async def chat(self, req: ChatCompletionRequest, client_id: str | None = None) -> dict | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, client_id: str | None = None,
+                   lora_request: LoRARequest | None = None) -> dict | AsyncIterator[str]:
+        """As ``completion``."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat")
         req.check_supported()
@@ -418,7 +422,7 @@ class OpenAIServing:
         rid, engine_id = response_and_engine_ids("chatcmpl", client_id or req.request_id)
         created = int(time.time())
         streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, engine_id, req.priority,
-                               self.loras.get(req.model or ""), req.cache_salt)  # fmt: skip
+                               lora_request, req.cache_salt)  # fmt: skip
         if req.stream:
             return _aborting_on_exit(
                 self.llm, [engine_id], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids), tools)
