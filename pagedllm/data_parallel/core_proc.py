@@ -100,7 +100,7 @@ class EngineCore:
 
     def report(self) -> ReplicaReport:
         engine = self.engine
-        return ReplicaReport(len(engine.scheduler.running), engine.num_waiting(), engine.kv_cache_manager.usage())
+        return ReplicaReport(engine.num_running(), engine.num_waiting(), engine.kv_cache_manager.usage())
 
     def run(self) -> None:
         engine = self.engine

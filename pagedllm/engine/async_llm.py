@@ -228,7 +228,7 @@ class AsyncLLM(RequestStreams):
         self.engine.stat_loggers.append(stat_logger)
 
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.engine.num_running()
 
     def kv_cache_usage(self) -> float:
         return self.engine.kv_cache_manager.usage()

@@ -278,6 +278,14 @@ class BeamSearch:
         """The first step requests of searches waiting for room in the pool (not yet queued)."""
         return [req for _, req, _ in list(self._waiting)]  # (a copy: the metrics thread reads it too)
 
+    def between_steps(self) -> list[str]:
+        """Step requests of searches past their first step that wait in the scheduler's queue:
+        a search re-queues its beams after every step, so these belong to a running search, not
+        to the waiting line (gauges, dashboard, the waiting cap). (Copies: other threads read it.)"""
+        requests = self.scheduler.requests
+        return [rid for g in list(self.groups.values()) if g.first_token_time is not None for rid in list(g.requests)
+                if (r := requests.get(rid)) is not None and r.status is RequestStatus.WAITING]  # fmt: skip
+
     def holder_rows(self) -> list[tuple[tuple[str, str], int, int, int]]:
         """Beams that reported and hold their blocks until their siblings do (a live view):
         (holder table id, prompt tokens, output tokens, most tokens the search may reach)."""

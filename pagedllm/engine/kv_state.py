@@ -90,6 +90,10 @@ def kv_cache_state(engine: Any, recent: RecentStats | None = None) -> dict[str, 
     kv = engine.kv_cache_manager
     pool = kv.snapshot()
     requests = engine.scheduler.snapshot(engine.held_requests())
+    between = set(engine.beams.between_steps())  # a running search's beams, queued again between its steps
+    for row in requests:
+        if row["request_id"] in between:
+            row["queue"] = "running"
     index: dict = {r["request_id"]: i for i, r in enumerate(requests)}
     # Beams that reported hold their blocks under a table of their own until their siblings do.
     for holder, prompt, output, most in engine.beams.holder_rows():

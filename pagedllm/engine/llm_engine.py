@@ -373,8 +373,12 @@ class LLMEngine:
         waiting (as vLLM counts its requests waiting for a grammar)."""
         return self.structured.held() + self.parallel.held() + self.beams.held()
 
+    def num_running(self) -> int:
+        """Requests in the running batch, with the beams of running searches between steps."""
+        return len(self.scheduler.running) + len(self.beams.between_steps())
+
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.held_requests())
+        return len(self.scheduler.waiting) - len(self.beams.between_steps()) + len(self.held_requests())
 
     def record_state(self) -> None:
         """Report the engine's state without a step (after an abort, or while idle): the
@@ -395,7 +399,7 @@ class LLMEngine:
         stats = StepStats(
             num_prompt_tokens=step.pop("num_prompt_tokens", 0),
             num_generation_tokens=step.pop("num_generation_tokens", 0),
-            num_running=len(self.scheduler.running),
+            num_running=self.num_running(),
             num_waiting=self.num_waiting(),
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_preemptions=step.pop("num_preemptions", 0),

@@ -294,6 +294,26 @@ def test_request_ids_of_searches_and_requests_never_mix(tiny_llama):
     assert all(len(finished[f"x-beam{i}"].outputs[0].token_ids) == 4 for i in range(1, 41))
 
 
+def test_a_running_search_counts_as_running_between_its_steps(tiny_llama):
+    """Found by an adversarial session: a search re-queues its beams after every step, so a
+    running search of 4 beams showed as 0 running and 4 waiting at every scrape (and its beams
+    counted against --max-waiting-requests)."""
+    from pagedllm.engine.kv_state import kv_cache_state
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=200, block_size=4), log_stats_interval=0)
+    engine.add_beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True), "S")
+    engine.add_request({"prompt_token_ids": PROMPT[:3]}, SamplingParams(temperature=0, max_tokens=1), "plain")
+    assert (engine.num_running(), engine.num_waiting()) == (0, 2)  # nothing has run yet
+    engine.step()  # the prompt: the search chooses its 4 beams, the plain request finishes
+    for _ in range(3):
+        assert (engine.num_running(), engine.num_waiting()) == (4, 0)
+        state = kv_cache_state(engine)
+        assert (state["num_running"], state["num_waiting"]) == (4, 0)
+        engine.step()
+    _drain(engine)
+    assert (engine.num_running(), engine.num_waiting()) == (0, 0)
+
+
 def test_a_fault_inside_one_search_ends_that_search_only(tiny_llama, monkeypatch):
     """A bug in a search's own step (e.g. the max_model_len refusal above) ends it with
     finish_reason "error"; the engine and the requests beside it go on."""
