@@ -149,6 +149,11 @@ class ModelArch:
         elif layer_types is None and model_type in _SLIDING_PATTERNS:  # configs before transformers 4.5x
             pattern = int(cfg.get("sliding_window_pattern") or _SLIDING_PATTERNS[model_type])
             layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+        elif layer_types is None and model_type in ("qwen2", "qwen3"):  # configs before transformers 4.53
+            first = int(cfg.get("max_window_layers", 28))  # transformers' rule: layers from this one slide
+            layer_types = [SLIDING if i >= first else FULL for i in range(num_layers)]
+            if SLIDING not in layer_types:
+                window, layer_types = None, None
         elif layer_types is None:  # Mistral: every layer slides
             layer_types = [SLIDING] * num_layers
         if layer_types is not None and len(layer_types) != num_layers:

@@ -125,6 +125,34 @@ def test_gemma_configs_without_layer_types_and_soft_caps():
         ModelArch.from_hf_config({**base, "model_type": "gemma2", "use_bidirectional_attention": True})
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_configs_without_layer_types_slide_from_max_window_layers(tmp_path, model_type):
+    """Found by an adversarial session: a Qwen2/Qwen3 config.json with use_sliding_window but no
+    layer_types (transformers before 4.53 wrote them so) slid every layer, as Mistral's do;
+    transformers slides the layers from max_window_layers on. Greedy tokens differed at once."""
+    import json
+
+    import transformers
+
+    from pagedllm.model.arch import FULL, SLIDING, ModelArch
+
+    base = dict(model_type=model_type, vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=4,
+                num_attention_heads=2, use_sliding_window=True, sliding_window=4)  # fmt: skip
+    assert ModelArch.from_hf_config({**base, "max_window_layers": 1}).layer_types == [FULL] + [SLIDING] * 3
+    none = ModelArch.from_hf_config(base)  # the default 28: no layer of 4 slides
+    assert none.layer_types is None and none.sliding_window is None
+    path = save_tiny_model(tmp_path / model_type, model_type, seed=1, use_sliding_window=True, sliding_window=6,
+                           max_window_layers=1)  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    del config["layer_types"]  # as an older transformers wrote it
+    (path / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert hf.config.layer_types[0] == "full_attention" and hf.config.layer_types[1] == "sliding_attention"
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    g = torch.Generator().manual_seed(0)
+    assert_greedy_matches_oracle(llm, hf, [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 30)])
+
+
 def test_config_fields_pagedllm_cannot_honour_are_refused():
     """Found by an adversarial session: hidden_act was never read (a gelu Llama ran SiLU), and
     Llama's attention_bias put biases on o_proj that the loader then called unexpected."""
