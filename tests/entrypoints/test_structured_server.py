@@ -125,6 +125,36 @@ def test_forced_tool_calls_validate_against_their_schema(client, model, stream, 
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
+def test_forced_calls_cut_short_or_echoed_answer_as_they_stream(server, model):
+    """Found by an adversarial session: echo with a forced call was a 500 (None content joined
+    to the echo), and a named call cut short by max_tokens was a tool call when streamed but
+    plain content when not. Both forms now give the same call and content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = [dict(tool_choice=named, max_tokens=5, temperature=0),  # cut short: finish_reason "length"
+             dict(tool_choice="required", max_tokens=250, temperature=0.7, seed=5, echo=True,
+                  messages=MESSAGES + [{"role": "assistant", "content": "Let me look."}])]  # fmt: skip
+    for case in cases:
+        body = {"model": model, "messages": MESSAGES, "tools": TOOLS, **case}
+        whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        assert whole.status_code == 200, whole.text
+        choice = whole.json()["choices"][0]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+        assert calls and choice["message"]["content"] == ("Let me look." if case.get("echo") else None)
+        content, streamed, finish = "", {}, None
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        content += ch["delta"].get("content") or ""
+                        for d in ch["delta"].get("tool_calls") or []:
+                            call = streamed.setdefault(d["index"], ["", ""])
+                            call[0] = d["function"].get("name") or call[0]
+                            call[1] += d["function"].get("arguments") or ""
+                        finish = ch["finish_reason"] or finish
+        assert finish == choice["finish_reason"] == ("length" if "seed" not in case else "tool_calls")
+        assert [tuple(c) for _, c in sorted(streamed.items())] == calls and (content or None) == choice["message"]["content"]
+
+
 def test_a_tool_result_turn_round_trips(client, model):
     first = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})  # fmt: skip

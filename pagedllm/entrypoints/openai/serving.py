@@ -438,8 +438,12 @@ class OpenAIServing:
             message: dict[str, Any] = {"role": "assistant", "content": echo + ch.text, "tool_calls": []}
             finish_reason = ch.finish_reason
             content, calls = self._tool_calls(tools, ch.text) if ch.finish_reason != "length" else (None, None)
+            if not calls and tools is not None and tools.mode == "named":
+                # Cut short (max_tokens, a stop string): the call with its arguments as written, as
+                # streamed (and as vLLM and OpenAI answer); finish_reason says it is incomplete.
+                content, calls = None, [ToolCall(tools.name or "", ch.text)]
             if calls:
-                content = echo + content if echo else content
+                content = echo + (content or "") if echo else content
                 message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
                 finish_reason = _calls_finish_reason(tools, finish_reason)
             data.append(
@@ -557,7 +561,8 @@ class _ToolStream:
         self.text += text
         done = finish_reason is not None
         if self.tools.mode == "named":
-            # A call only if the arguments are complete: a stop string may cut them short.
+            # A complete call only if its arguments parse: a stop string may cut them short (the
+            # call is still sent, with its arguments as written, as the non-streamed answer).
             made = done and finish_reason != "length" and self.tools.calls(self.text) is not None
             if self.call is None:
                 self.call = ToolCall(self.tools.name or "", "")

@@ -93,7 +93,7 @@ class HermesToolParser(ToolParser):
             if call is None:
                 return text, []  # not well-formed: leave it to the client as text
             calls.append(call)
-        content = text[:start].strip()
+        content = text[:start]  # as written (and as streamed): vLLM's hermes parser does not strip it
         return (content or None), calls
 
     def call_start(self, text: str) -> int | None:
