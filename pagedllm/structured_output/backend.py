@@ -82,6 +82,20 @@ _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _regex_ok(pattern: str) -> bool:
+    """Whether xgrammar's regex converter takes ``pattern`` (in a schema it drops what it cannot)."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_regex(pattern)
+        return True
+    except Exception:
+        return False
+
+
 def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
     """Where ``schema`` uses a keyword the grammar cannot enforce: ["#/properties/a: contains", ...]."""
     if not isinstance(schema, dict):
@@ -89,6 +103,22 @@ def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
     found = [f"{path}: {k}" for k in UNENFORCED_KEYWORDS if k in schema]
     if schema.get("type") == []:
         found.append(f"{path}: type [] (no value can match)")
+    # What xgrammar's converter drops with at most a warning on stderr (an adversarial session
+    # found outputs ending with "stop" that broke each):
+    if "multipleOf" in schema and (schema.get("type") != "integer" or any(k in schema for k in _RANGE)):
+        found.append(f"{path}: multipleOf (enforced only on integers without a range)")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found.append(f"{path}: allOf of more than one schema")
+    required, properties = schema.get("required"), schema.get("properties")
+    if isinstance(required, list):
+        missing = [r for r in required if not isinstance(properties, dict) or r not in properties]
+        if missing:
+            found.append(f"{path}: required {missing[0]!r} is not among its properties")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.append(f"{path}: $ref {ref!r} (only references inside the schema)")
+    if isinstance(schema.get("pattern"), str) and not _regex_ok(schema["pattern"]):
+        found.append(f"{path}: pattern {schema['pattern']!r} (a regex feature the grammar lacks, e.g. lookaround)")
     for key in _SUBSCHEMA:
         found += unenforced_keywords(schema.get(key), f"{path}/{key}")
     for key in _SUBSCHEMA_LISTS:
@@ -166,21 +196,35 @@ class XgrammarBackend:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_limit_bytes=COMPILE_CACHE_BYTES)
         self._batch = xgr.BatchGrammarMatcher(max_threads)
-        self.json_safe = self._json_safe_mask()
+        # Rows AND-ed into JSON constraints' masks (json, json_object): no raw control character,
+        # tab included; and into structural tags' (free text between their JSON parts): none but
+        # tab, newline and carriage return.
+        self.json_safe = self._mask_without(set(range(32)) - {10, 13})
+        self.tag_safe = self._mask_without(set(range(32)) - {9, 10, 13})
+        # After a token ending in the lead byte ED: no token starting with A0-BF (a surrogate).
+        vocab = self.info.decoded_vocab[: self.vocab_size]
+        self._ends_in_ed = {t for t, text in enumerate(vocab) if text[-1:] == b"\xed"}
+        self.no_surrogate_tail = self._pack([not (text[:1] and 0xA0 <= text[0] <= 0xBF) for text in vocab])
 
-    def _json_safe_mask(self) -> Any:
-        """One bitmask row allowing every token but those holding a control character JSON
-        never allows raw (U+0000-U+001F except tab, newline, carriage return).
+    def ends_in_ed(self, output_token_ids: list[int]) -> bool:
+        return bool(output_token_ids) and output_token_ids[-1] in self._ends_in_ed
 
-        xgrammar's rule for a length-bounded JSON string is "any character but quote, backslash
-        and newline", which lets such tokens into strings (found by a test: a random model wrote
-        "\x11" into a maxLength string); JSON constraints AND this row into their masks.
+    def _mask_without(self, bad_bytes: set[int]) -> Any:
+        """One bitmask row allowing every token but those holding one of ``bad_bytes``.
+
+        xgrammar's rule for a length-bounded JSON string is "any character but quote, backslash,
+        newline and carriage return", which lets raw control characters into such strings (tests
+        found "\x11", and an adversarial session a tab, which JSON forbids there). Outside strings
+        JSON needs none but whitespace: newline and carriage return are enough, so tokens holding
+        a tab go too (a tab-indented object is still JSON written with spaces).
         """
-        bad = bytes(set(range(32)) - {9, 10, 13})
-        mask = torch.zeros(self.bitmask_width * 32, dtype=torch.bool)
-        for token, text in enumerate(self.info.decoded_vocab[: self.vocab_size]):
-            mask[token] = not any(b in bad for b in text)
-        mask[len(self.info.decoded_vocab) :] = True
+        bad = bytes(bad_bytes)
+        return self._pack([not any(b in bad for b in text) for text in self.info.decoded_vocab[: self.vocab_size]])
+
+    def _pack(self, allowed: list[bool]) -> Any:
+        """A bitmask row from one flag per token (tokens past the list: allowed)."""
+        mask = torch.ones(self.bitmask_width * 32, dtype=torch.bool)
+        mask[: len(allowed)] = torch.tensor(allowed, dtype=torch.bool)
         bits = mask.view(-1, 32).to(torch.int64) << torch.arange(32)
         words = bits.sum(dim=1)
         return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -226,9 +270,13 @@ class XgrammarBackend:
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
 
-    def fill_bitmask(self, matchers: list[Any], bitmask: Any, json_rows: list[int] | None = None) -> None:
+    def fill_bitmask(self, matchers: list[Any], bitmask: Any, json_rows: list[int] | None = None,
+                     tag_rows: list[int] | None = None) -> None:  # fmt: skip
         """Row i of ``bitmask`` (an int32 tensor) gets the tokens ``matchers[i]`` allows next;
-        ``json_rows`` (rows under a JSON constraint) also lose JSON-illegal control characters."""
+        ``json_rows`` (rows under a JSON constraint) and ``tag_rows`` (structural tags) also lose
+        the control characters JSON forbids (``json_safe``, ``tag_safe``)."""
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         if json_rows:
             bitmask[json_rows] &= self.json_safe
+        if tag_rows:
+            bitmask[tag_rows] &= self.tag_safe

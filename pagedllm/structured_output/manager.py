@@ -148,8 +148,15 @@ class StructuredOutputManager:
             return None
         backend = self.backend()
         mask = torch.empty(len(ids), backend.bitmask_width, dtype=torch.int32)
-        json_rows = [row for row, req_id in enumerate(ids) if self.under_json(req_id)]
-        backend.fill_bitmask([self._matchers[i] for i in ids], mask, json_rows)
+        kinds = [self._owners[req_id].sampling_params.structured_outputs.kind for req_id in ids]
+        json_rows = [row for row, kind in enumerate(kinds) if kind in ("json", "json_object")]
+        tag_rows = [row for row, kind in enumerate(kinds) if kind == "structural_tag"]
+        backend.fill_bitmask([self._matchers[i] for i in ids], mask, json_rows, tag_rows)
+        # xgrammar takes UTF-8-encoded surrogates (ED A0-BF ..) as characters; they are not
+        # UTF-8, decode to three U+FFFD and so break maxLength (found by a test's random model).
+        after_ed = [row for row, req_id in enumerate(ids) if backend.ends_in_ed(self._owners[req_id].output_token_ids)]
+        if after_ed:
+            mask[after_ed] &= backend.no_surrogate_tail
         return GrammarBitmask({req_id: row for row, req_id in enumerate(ids)}, mask)
 
     def under_json(self, req_id: str) -> bool:

@@ -223,14 +223,35 @@ def test_structural_tags_in_both_forms(llm):
 
 def test_json_masks_never_allow_raw_control_characters(llm):
     """xgrammar lets control characters into length-bounded JSON strings; the JSON rows' masks
-    drop every token holding one (tab, newline and carriage return stay: JSON whitespace)."""
+    drop every token holding one, tab included (an adversarial session got '{"s": "\t\t"}',
+    which is not JSON); newline and carriage return stay, as whitespace between tokens.
+    Structural tags (free text around their JSON) keep tab too."""
     backend = llm.llm_engine.structured.backend()
     tok = llm.get_tokenizer()
-    words = backend.json_safe.tolist()
-    allowed = lambda t: (words[t // 32] >> (t % 32)) & 1  # noqa: E731
-    control = [t for t in range(len(tok)) if any(0 <= ord(c) < 32 and c not in "\t\n\r" for c in tok.decode([t]))]
-    assert control and not any(allowed(t) for t in control)
-    assert all(allowed(t) for t in tok.encode('{"a": [1, 2]}\n\t', add_special_tokens=False))
+    for words, kept in ((backend.json_safe.tolist(), "\n\r"), (backend.tag_safe.tolist(), "\t\n\r")):
+        allowed = lambda t: (words[t // 32] >> (t % 32)) & 1  # noqa: E731
+        control = [t for t in range(len(tok)) if any(0 <= ord(c) < 32 and c not in kept for c in tok.decode([t]))]
+        assert control and not any(allowed(t) for t in control)
+        assert all(allowed(t) for t in tok.encode('{"a": [1, 2]}\n', add_special_tokens=False))
+    assert any("\t" in tok.decode([t]) for t in range(len(tok)))  # (there are tab tokens to drop)
+    # After the lead byte ED only 80-9F may follow: ED A0-BF .. is a UTF-8-encoded surrogate,
+    # which xgrammar takes as a character (a random model's sample broke a maxLength with it).
+    vocab = backend.info.decoded_vocab
+    ed, surrogate_tail, valid_tail = (vocab.index(b) for b in (b"\xed", b"\xaf", b"\x95"))
+    assert backend.ends_in_ed([5, ed]) and not backend.ends_in_ed([ed, 5]) and not backend.ends_in_ed([])
+    words = backend.no_surrogate_tail.tolist()
+    assert not (words[surrogate_tail // 32] >> (surrogate_tail % 32)) & 1 and (words[valid_tail // 32] >> (valid_tail % 32)) & 1
+
+
+def test_a_bounded_string_gets_no_tab_even_when_the_model_wants_one(llm):
+    """The adversarial session's case: a logit bias pushing the tab token into a maxLength string."""
+    tok = llm.get_tokenizer()
+    tab = tok.encode("\t", add_special_tokens=False)[-1]
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    params = SamplingParams(temperature=0, max_tokens=30, logit_bias={tab: 30.0},
+                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))  # fmt: skip
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and valid_json(out.text, schema), out.text
 
 
 def test_property_order_is_part_of_the_grammar_key():

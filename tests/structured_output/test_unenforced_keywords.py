@@ -79,3 +79,34 @@ def test_schemas_inside_structural_tags_are_checked_too():
     legacy = {"structures": [{"begin": "<f>", "schema": bad, "end": "</f>"}], "triggers": ["<f>"]}
     with pytest.raises(ValueError, match="structured_outputs.structural_tag is invalid: the schema uses keywords .*#: if"):
         parse(StructuredOutputsParams(structural_tag=json.dumps(legacy)))
+
+
+# What xgrammar's converter drops with only a warning (an adversarial session's outputs ended
+# with "stop" and broke each): a schema, an output the grammar takes that breaks it, the refusal.
+DROPPED = {
+    "multipleOf with a range": ({"type": "integer", "multipleOf": 7, "minimum": 1}, "5", "multipleOf"),
+    "allOf": ({"allOf": [{"type": "integer", "minimum": 50}, {"maximum": 60}]}, '{"target": 1}', "allOf of more than one"),
+    "required, no properties": ({"type": "object", "properties": {}, "required": ["a"]}, "{}", "required 'a'"),
+    "lookahead": ({"type": "string", "pattern": "^(?=a)b$"}, '"b"', "pattern"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DROPPED))
+def test_what_the_converter_drops_is_refused(case):
+    import jsonschema
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema, breaking, refusal = DROPPED[case]
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(breaking))
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), breaking)
+    with pytest.raises(ValueError, match=f"the schema uses keywords .*{refusal}"):
+        parse(StructuredOutputsParams(json=schema))
+
+
+def test_enforced_uses_of_those_keywords_stay_accepted():
+    for schema in ({"type": "integer", "multipleOf": 7}, {"allOf": [{"type": "integer"}]}, {"type": "string", "pattern": "^[a-z]+$"},
+                   {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"], "$defs": {"x": {"type": "string"}}}):  # fmt: skip
+        parse(StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match="only references inside the schema"):
+        parse(StructuredOutputsParams(json={"$ref": "http://example.com/s.json"}))
