@@ -170,3 +170,33 @@ def test_forced_calls_with_numbers_json_cannot_hold_are_no_calls():
     required = ToolChoice("required", TOOLS)
     assert required.calls('[{"name": "get_weather", "parameters": {"x": 1e999}}]') is None  # (would be sent as Infinity)
     assert [c.name for c in required.calls('[{"name": "get_weather", "parameters": {"x": 1}}]')] == ["get_weather"]
+
+
+def test_required_keeps_each_tools_own_references():
+    """Found by an adversarial session: under tool_choice "required" a tool's parameters were
+    nested in the wrapper schema with their $refs unchanged, so "#/$defs/Addr" (pydantic's
+    nested models) was a 400 and "#" (a recursive tree) pointed at the wrapper itself."""
+    import jsonschema
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from pagedllm.entrypoints.openai.tools import ToolChoice
+    from pagedllm.structured_output.backend import parse
+
+    tree = {"$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+            "type": "object", "properties": {"addr": {"$ref": "#/$defs/Addr"}, "child": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+            "required": ["addr", "child"]}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}}, *TOOLS]
+    constraint = ToolChoice("required", tools).constraint()
+    parse(constraint)  # (a 400 before)
+    grammar = xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False)
+    good = {"addr": {"city": "x"}, "child": {"addr": {"city": "y"}, "child": None}}
+    jsonschema.validate(good, tree)
+    assert _is_grammar_accept_string(grammar, json.dumps([{"name": "tree", "parameters": good}]))
+    wrapper_shaped = {"addr": {"city": "x"}, "child": [{"name": "tree"}]}
+    assert not _is_grammar_accept_string(grammar, json.dumps([{"name": "tree", "parameters": wrapper_shaped}]))
+    # A "$ref" inside a value (const, enum, default) is data, left as it is.
+    valued = {"type": "object", "properties": {"k": {"const": {"$ref": "#"}}, "a": {"$ref": "#/properties/k"}}}
+    moved = json.loads(ToolChoice("required", [{"type": "function", "function": {"name": "v", "parameters": valued}}]).constraint().spec)
+    assert moved["$defs"]["tool0"]["properties"] == {"k": {"const": {"$ref": "#"}}, "a": {"$ref": "#/$defs/tool0/properties/k"}}
+    assert _is_grammar_accept_string(grammar, json.dumps([{"name": "get_weather", "parameters": {}}]))

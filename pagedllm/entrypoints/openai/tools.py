@@ -37,18 +37,24 @@ class ToolChoice:
             return StructuredOutputsParams(json=self._parameters(self.name))
         if self.mode != "required":
             return None
-        items = [
-            {
+        items, defs = [], {}
+        for i, t in enumerate(self.tools):
+            parameters = self._parameters(t["function"]["name"])
+            if _has_ref(parameters):
+                # Its references point into its own root: it moves to the wrapper's $defs, with
+                # them rewritten to point there ("#/$defs/Addr" -> "#/$defs/tool0/$defs/Addr").
+                defs[f"tool{i}"] = _refs_under(parameters, f"#/$defs/tool{i}")
+                parameters = {"$ref": f"#/$defs/tool{i}"}
+            items.append({
                 "type": "object",
-                "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                               "parameters": self._parameters(t["function"]["name"])},  # fmt: skip
+                "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": parameters},
                 "required": ["name", "parameters"],
-            }
-            for t in self.tools
-        ]
+            })  # fmt: skip
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items} if len(items) > 1 else items[0]}
         if not self.parallel:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return StructuredOutputsParams(json=schema)
 
     def _parameters(self, name: str | None) -> dict[str, Any]:
@@ -73,6 +79,25 @@ class ToolChoice:
             return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False, allow_nan=False)) for i in items]
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
+
+
+_VALUES = ("const", "enum", "default", "examples")  # JSON values in a schema, never rewritten
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for k, v in schema.items() if k not in _VALUES)
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _refs_under(schema: Any, root: str) -> Any:
+    """``schema`` with each local ``$ref`` ("#...") rebased onto ``root`` (where it now lives)."""
+    if isinstance(schema, list):
+        return [_refs_under(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else v if k in _VALUES else _refs_under(v, root) for k, v in schema.items()}  # fmt: skip
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
