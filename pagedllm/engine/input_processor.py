@@ -106,7 +106,11 @@ class InputProcessor:
         if isinstance(prompt, str):
             if prompt and self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
+            ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
+            if ids and max(ids) >= self.vocab_size:  # a tokenizer bigger than the model's embedding
+                raise ValueError(f"prompt: the tokenizer gave token id {max(ids)}, outside the model's vocabulary "
+                                 f"[0, {self.vocab_size}): the tokenizer does not belong to this model")  # fmt: skip
+            return prompt, ids
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

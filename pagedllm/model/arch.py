@@ -86,6 +86,10 @@ class ModelArch:
                 f"unsupported architecture {self.architecture!r}; "
                 f"pagedllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings")
+        for name in sizes + (() if self.num_experts else ("intermediate_size",)):
+            if getattr(self, name) < 1:  # (zero heads divided by zero, zero layers had no KV group)
+                raise ValueError(f"the model's {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -196,7 +200,7 @@ class ModelArch:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // max(num_heads, 1)),  # (0 heads: refused below)
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=max_pos,

@@ -102,6 +102,8 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """
     rows = weight.shape[0]
     head_dim = rows // num_heads
+    if rows % num_heads or head_dim % 2:  # (a file whose shapes do not fit its head count)
+        raise ValueError(f"a q/k projection of {rows} rows does not split into {num_heads} heads of an even size")
     rest = weight.shape[1:]
     return (
         weight.reshape(num_heads, head_dim // 2, 2, *rest)
@@ -242,7 +244,7 @@ def read_gguf_arch(reader: Any, path: Path) -> ModelArch:
         num_layers=int(meta("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // num_heads),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // max(num_heads, 1)),  # (0: refused)
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         max_position_embeddings=int(meta("context_length", 4096)),

@@ -24,15 +24,41 @@ def load_hf_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
         raise ValueError(f"{config_file} lacks the field {e.args[0]!r}") from e
     except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type or value (null, "four", ...)
         raise ValueError(f"{config_file}: {e}") from e
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {path}")
+    files = _weight_files(path)
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
+            tensors = load_file(str(f))
         except Exception as e:  # safetensors raises its own error types on bad bytes
             raise ValueError(f"could not read weights file {f}: {e}") from e
+        for name in tensors:
+            if name in where:  # (a stale file beside the shards would silently win)
+                raise ValueError(f"weight {name} is in both {where[name]} and {f.name}; keep one checkpoint in {path}")
+            where[name] = f.name
+        state.update(tensors)
+    if cfg.get("tie_word_embeddings") is False and "lm_head.weight" not in state:
+        raise ValueError(f"{config_file} says tie_word_embeddings is false, but the weights have no lm_head.weight")
     return arch, state
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those model.safetensors.index.json names (a missing
+    one is an error naming it), else every *.safetensors in the directory."""
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors weights in {path}")
+        return files
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"could not read {index}: {e!r}") from e
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise ValueError(f"{index} names {missing[0]}, which is not in {path}")
+    return [path / n for n in names]

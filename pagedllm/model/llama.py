@@ -229,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
                 cls.take_mlp_weights(arch, i, state, own)
         except KeyError as e:
             raise ValueError(f"model weights are missing {e.args[0]}") from e
+        except RuntimeError as e:  # q/k/v or gate/up whose shapes cannot be fused: not this config's
+            raise ValueError(f"layer {i}'s weights do not have the shapes the config gives ({e})") from e
         for name, tensor in state.items():
             if name.startswith("model.") and "rotary_emb" not in name:
                 own[name.removeprefix("model.")] = tensor

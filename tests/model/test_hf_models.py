@@ -227,3 +227,65 @@ def test_a_damaged_tokenizer_file_names_the_directory(tmp_path):
     (path / "tokenizer.json").write_text("{ not json")
     with pytest.raises(ValueError, match=r"could not load the tokenizer in .*\(tokenizer.json\)"):
         LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+# Checkpoints an adversarial session made that loaded wrong or failed deep in torch.
+def _edit_weights(path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path / "model.safetensors"))
+    edit(state)
+    save_file(state, str(path / "model.safetensors"))
+
+
+def test_untied_config_without_lm_head_is_refused_not_tied(tmp_path):
+    """It ran with the embedding as its LM head: transformers leaves that head untrained."""
+    path = save_tiny_model(tmp_path / "m", tie_word_embeddings=False)
+    _edit_weights(path, lambda state: state.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match="tie_word_embeddings is false, but the weights have no lm_head.weight"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_the_shard_index_decides_which_files_load(tmp_path):
+    """Every *.safetensors was read and a later file's tensor silently replaced an earlier one's
+    (a stale file of zeros beside the checkpoint turned every answer into token 0)."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model(tmp_path / "m")
+    state = load_file(str(path / "model.safetensors"))
+    save_file({"model.norm.weight": state["model.norm.weight"] * 0}, str(path / "zz-stale.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight is in both model.safetensors and zz-stale.safetensors"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+    # With an index, only the files it names load (the stale one is ignored); a missing one is named.
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in state}}))
+    LLM(str(path), dtype="float32", num_kv_blocks=8, log_stats_interval=1e9)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="names model-00002.safetensors, which is not in"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("field", ["num_attention_heads", "num_hidden_layers", "max_position_embeddings"])
+def test_zero_sizes_are_refused_by_name(tmp_path, field):
+    path = save_tiny_model(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[field] = 0
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="must be positive"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_weights_of_other_shapes_are_a_value_error_naming_the_layer(tmp_path):
+    path = save_tiny_model(tmp_path / "m")
+    _edit_weights(path, lambda state: state.update({"model.layers.0.self_attn.q_proj.weight": state["model.layers.0.self_attn.q_proj.weight"].T.contiguous()[:, :8].clone()}))
+    with pytest.raises(ValueError, match="layer 0's weights do not have the shapes the config gives|weight .* has shape"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_a_tokenizer_bigger_than_the_vocabulary_is_a_value_error(tmp_path, default_tokenizer):
+    """A 49,152-token tokenizer beside a 256-token model: text prompts failed inside the embedding
+    (finish_reason "error", no message for the user)."""
+    path = save_tiny_model(tmp_path / "m")
+    default_tokenizer.save_pretrained(str(path))
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=8, log_stats_interval=1e9)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        llm.generate(["The capital of France is"], use_tqdm=False)
