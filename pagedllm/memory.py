@@ -29,6 +29,14 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def physical_memory_bytes() -> int | None:
+    """The machine's RAM (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def trim_heap() -> bool:
     """Return the C heap's free pages to the OS (glibc's ``malloc_trim``); False where there is none."""
     libc = _libc()

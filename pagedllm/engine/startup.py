@@ -18,7 +18,7 @@ import torch
 from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
 from pagedllm.kernels.ops import native_available
 from pagedllm.kv_cache.groups import KVCacheLayout
-from pagedllm.memory import drop_file_pages, trim_heap, weight_files
+from pagedllm.memory import drop_file_pages, physical_memory_bytes, trim_heap, weight_files
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.generation_config import GenerationDefaults, read_generation_config
 from pagedllm.model.llama import LlamaForCausalLM
@@ -93,9 +93,7 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
     model_arch = arch
     if shard is not None:
         model_arch, state = shard(arch, state)
-    max_model_len = config.max_model_len or arch.max_position_embeddings
-    if max_model_len > arch.max_position_embeddings:
-        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
+    max_model_len = resolve_max_model_len(config, arch)
     dtype = config.torch_dtype
     placement = choose_placement(config.dense_weights, state)
     log_placement(placement)
@@ -178,10 +176,22 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
         arch, _ = read_tensors(source)
         generation = read_generation_config(config.generation_config, source.path)
         tokenizer, eos = load_tokenizer_and_eos(source, arch)
+    return ModelInfo(source, arch, tokenizer, eos, resolve_max_model_len(config, arch), times, generation)
+
+
+def resolve_max_model_len(config: EngineConfig, arch: ModelArch) -> int:
+    """``max_model_len``, else the model's context; ValueError if it exceeds the context, or if
+    its RoPE tables (fp32 cos and sin per position) would not fit in this machine's memory: a
+    file declaring a context of 10^9 tokens asked for 32 GB before anything was checked."""
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
-    return ModelInfo(source, arch, tokenizer, eos, max_model_len, times, generation)
+    tables = (2 if arch.rope_local_theta is not None else 1) * 2 * max_model_len * arch.head_dim * 4
+    ram = physical_memory_bytes()
+    if ram is not None and tables > ram // 4:
+        raise ValueError(f"a context of {max_model_len} tokens needs {tables / 2**30:.1f} GiB of RoPE tables, over a quarter "
+                         f"of this machine's {ram / 2**30:.1f} GiB; pass a smaller max_model_len (--max-model-len)")  # fmt: skip
+    return max_model_len
 
 
 def load_draft_model(config: EngineConfig, max_model_len: int, vocab_size: int) -> LlamaForCausalLM:
@@ -216,4 +226,12 @@ def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
     num_swap = int(config.swap_space * (1 << 30) // block_bytes) if config.preemption_mode == "swap" else 0
+    # The pools are reserved, their pages committed as blocks are first written, so they may
+    # exceed what is free; beyond the machine's memory they are a mistake (and every block is
+    # a Python object: 10^8 of them took minutes and many GB before anything failed).
+    ram = physical_memory_bytes()
+    if ram is not None and (num_blocks + num_swap) * block_bytes > ram:
+        what = f"the KV pool ({num_blocks} blocks of {block_bytes} bytes)" + (f" and the swap pool ({num_swap})" if num_swap else "")
+        raise ValueError(f"{what} would take {(num_blocks + num_swap) * block_bytes / 2**30:.1f} GiB, more than this machine's "
+                         f"{ram / 2**30:.1f} GiB; lower kv_cache_space / num_kv_blocks / swap_space")  # fmt: skip
     return KVCacheSizes(block_bytes, num_blocks, num_swap, layout)

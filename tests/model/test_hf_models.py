@@ -289,3 +289,28 @@ def test_a_tokenizer_bigger_than_the_vocabulary_is_a_value_error(tmp_path, defau
     llm = LLM(str(path), dtype="float32", num_kv_blocks=8, log_stats_interval=1e9)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         llm.generate(["The capital of France is"], use_tqdm=False)
+
+
+def test_a_context_whose_rope_tables_exceed_memory_is_refused_before_loading(tmp_path):
+    """A config declaring 10^9 positions built 32 GB of RoPE tables (15 GiB RSS, then a raw
+    allocator error) when no max_model_len was given; a smaller max_model_len runs."""
+    path = save_tiny_model(tmp_path / "m", max_position_embeddings=10**9)
+    with pytest.raises(ValueError, match="of RoPE tables.*pass a smaller max_model_len"):
+        LLM(str(path), dtype="float32", num_kv_blocks=8)
+    LLM(str(path), dtype="float32", num_kv_blocks=8, max_model_len=64, log_stats_interval=1e9)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kv_cache_space=10**6), dict(num_kv_blocks=10**12),
+                                    dict(num_kv_blocks=8, preemption_mode="swap", swap_space=10**6)])  # fmt: skip
+def test_pools_beyond_the_machines_memory_are_refused_at_once(tmp_path, kwargs):
+    """They were built block by block (a Python object each) until memory ran out."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.startup import kv_cache_sizes
+    from pagedllm.model.arch import ModelArch
+
+    path = save_tiny_model(tmp_path / "m")
+    arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+    with pytest.raises(ValueError, match="more than this machine's"):
+        kv_cache_sizes(EngineConfig(model=str(path), **kwargs), arch)
+    with pytest.raises(ValueError, match="more than this machine's"):
+        LLM(str(path), dtype="float32", **kwargs)
