@@ -318,34 +318,35 @@ def _gguf_tensors(path: Path) -> tuple[ModelArch, list[TensorInfo]]:
     return arch, out
 
 
+_MAX_SAFETENSORS_HEADER = 100_000_000  # bytes: the safetensors format's own limit
+
+
 def _safetensors_header(path: Path) -> dict:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+        if n > _MAX_SAFETENSORS_HEADER:
+            raise ValueError(f"a header of {n} bytes (the format allows {_MAX_SAFETENSORS_HEADER})")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header
 
 
 def _hf_tensors(path: Path) -> tuple[ModelArch, list[TensorInfo]]:
-    config_file = path / "config.json"
-    try:
-        arch = ModelArch.from_hf_config(json.loads(config_file.read_text()))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"could not read {config_file}: {e}") from e
-    except KeyError as e:
-        raise ValueError(f"{config_file} lacks the field {e.args[0]!r}") from e
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {path}")
+    from pagedllm.model.hf_loader import read_hf_config, weight_files
+
+    _, arch = read_hf_config(path)
     out = []
-    for f in files:
+    for f in weight_files(path):
         try:
             header = _safetensors_header(f)
-        except (OSError, ValueError, struct.error) as e:
-            raise ValueError(f"could not read the header of {f}: {e}") from e
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            out.append(TensorInfo(name, tuple(info["shape"]), None, end - start))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, end = info["data_offsets"]
+                out.append(TensorInfo(name, tuple(info["shape"]), None, end - start))
+        except (OSError, ValueError, TypeError, KeyError, struct.error) as e:
+            raise ValueError(f"could not read the header of {f}: {e!r}") from e
     return arch, out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -10,7 +11,8 @@ import torch
 from pagedllm.model.arch import ModelArch
 
 
-def load_hf_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+def read_hf_config(path: Path) -> tuple[dict[str, Any], ModelArch]:
+    """config.json and the architecture it gives; a ValueError naming the file if either fails."""
     config_file = path / "config.json"
     try:
         cfg = json.loads(config_file.read_text())
@@ -19,12 +21,17 @@ def load_hf_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     if not isinstance(cfg, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(cfg).__name__}")
     try:
-        arch = ModelArch.from_hf_config(cfg)
+        return cfg, ModelArch.from_hf_config(cfg)
     except KeyError as e:
         raise ValueError(f"{config_file} lacks the field {e.args[0]!r}") from e
-    except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type or value (null, "four", ...)
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:  # a field of the wrong type or value (null, "four", ...)
         raise ValueError(f"{config_file}: {e}") from e
-    files = _weight_files(path)
+
+
+def load_hf_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    cfg, arch = read_hf_config(path)
+    config_file = path / "config.json"
+    files = weight_files(path)
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
@@ -44,7 +51,7 @@ def load_hf_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     return arch, state
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files: those model.safetensors.index.json names (a missing
     one is an error naming it), else every *.safetensors in the directory."""
     index = path / "model.safetensors.index.json"

@@ -118,6 +118,30 @@ def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
     assert main(["estimate", "--model", str(tiny_llama), "--max-model-len", "100000"]) == 2
 
 
+@pytest.mark.parametrize("damage", ["config a list", "heads null", "huge header", "pool beyond memory"])
+def test_estimate_refuses_damaged_checkpoints_as_the_engine_does(tmp_path, capsys, damage):
+    """An adversarial session got raw tracebacks (AttributeError, TypeError, MemoryError) from
+    estimate where LLM() and serve give one-line errors."""
+    import struct
+
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    args = ["estimate", "--model", str(path)]
+    if damage == "config a list":
+        (path / "config.json").write_text(json.dumps([cfg]))
+    elif damage == "heads null":
+        (path / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": None}))
+    elif damage == "huge header":
+        (path / "model.safetensors").write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    else:
+        args += ["--kv-cache-space", "1000000"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(kv_cache_space=0.5), dict(num_kv_blocks=300, dense_weights="no", max_model_len=2048)])
 def test_estimate_equals_default_model_engine(kwargs):
