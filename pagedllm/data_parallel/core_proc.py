@@ -202,7 +202,10 @@ def run_replica(rank: int, size: int, config: EngineConfig, share: CpuShare, con
     configure_threads()
     try:
         from pagedllm.engine.llm_engine import LLMEngine
+        from pagedllm.executor.worker import own_swap_path
 
+        if config.swap_path is not None:  # one file per replica (its ranks add their own suffix)
+            config = replace(config, swap_path=own_swap_path(config.swap_path, f"dp{rank}"))
         engine = LLMEngine(config, log_stats_interval=log_stats_interval)
         facts = EngineFacts(engine.source, engine.arch, engine.eos_token_ids, engine.max_model_len,
                             engine.kv_cache_manager.num_blocks, os.getpid(), engine.processor.longest_context)  # fmt: skip

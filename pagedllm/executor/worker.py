@@ -139,6 +139,12 @@ def run_worker(rank: int, address: tuple[str, int], authkey: bytes, num_threads:
             dist.destroy_process_group()
 
 
+def own_swap_path(path: str | None, suffix: str) -> str | None:
+    """A process's own swap file: ranks (and data-parallel replicas) mapping one file wrote
+    over each other's swapped blocks (found by an adversarial session: wrong tokens, no error)."""
+    return None if path is None else f"{path}.{suffix}"
+
+
 def _build(rank: int, init: WorkerInit):
     from pagedllm.distributed import pipeline, tensor_parallel
     from pagedllm.distributed.parallel_state import RankInfo, init_parallel
@@ -159,7 +165,7 @@ def _build(rank: int, init: WorkerInit):
     runner = ModelRunner(
         model, num_blocks=init.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_model_len=init.max_model_len, dtype=config.torch_dtype, attention_backend=config.attention_backend,
-        seed=config.seed, num_swap_blocks=init.num_swap_blocks, swap_path=config.swap_path,
+        seed=config.seed, num_swap_blocks=init.num_swap_blocks, swap_path=own_swap_path(config.swap_path, f"rank{rank}"),
         kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip
     runner.samples = info.is_last_stage

@@ -282,3 +282,18 @@ def test_structured_outputs_over_workers(tiny_llama_tok, tp, pp):
         assert got == ref and ref[0] in ("yes", "no", "maybe") and len(ref[1]) == 6
     finally:
         llm.llm_engine.close()
+
+
+def test_each_rank_swaps_into_its_own_file(uneven_gqa, tmp_path):
+    """Found by an adversarial session: with swap_path every rank mapped the same file and wrote
+    over the others' swapped blocks, so preempted requests came back with wrong tokens."""
+    prompts = _prompts((20, 21, 22, 23, 24, 25))
+    swap = dict(ENGINE, num_kv_blocks=12, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False)
+    ref = _greedy(LLM(str(uneven_gqa), **swap), prompts, max_tokens=40)
+    llm = LLM(str(uneven_gqa), tensor_parallel_size=2, swap_path=str(tmp_path / "swap"), **swap)
+    try:
+        assert _greedy(llm, prompts, max_tokens=40) == ref
+        assert llm.llm_engine.num_preemptions_total > 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["swap.rank0", "swap.rank1"]
+    finally:
+        llm.llm_engine.close()
