@@ -78,6 +78,22 @@ def rank_threads(local_world: int, local_rank: int) -> tuple[int, list[int] | No
     return threads, cpus
 
 
+def _closed(conns: list[Connection]) -> list[Connection]:
+    """The connections whose peer has closed them (readable, and a peek reads nothing); a
+    message waiting to be read is left where it is."""
+    closed = []
+    for conn in wait(conns, timeout=0):
+        try:
+            with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    closed.append(conn)
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed.append(conn)
+    return closed
+
+
 def start_local_workers(config: EngineConfig, address: tuple[str, int], key: bytes) -> list:
     """Spawn this node's workers (ranks node_rank * local .. + local - 1)."""
     local = config.world_size // config.nnodes
@@ -140,8 +156,13 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ liveness
     def check_alive(self) -> None:
+        """Between steps: a local worker that exited, or any rank's connection closed (a
+        worker on another node has no process here to watch: its death showed only at the next
+        request, /health answering 200 meanwhile)."""
         if self._dead is None:
             self._check_local()
+            for conn in _closed([c for c in self.conns if c is not None]):
+                self._die(f"worker {self.conns.index(conn)}'s connection closed")
 
     def _check_local(self) -> None:
         for p in self.procs:

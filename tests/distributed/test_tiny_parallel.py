@@ -297,3 +297,25 @@ def test_each_rank_swaps_into_its_own_file(uneven_gqa, tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["swap.rank0", "swap.rank1"]
     finally:
         llm.llm_engine.close()
+
+
+def test_an_idle_engine_notices_a_closed_worker_connection():
+    """A worker on another node has no local process to watch: an adversarial session killed one
+    while the server was idle and /health answered 200 until the next request. The idle check
+    now peeks at every rank's connection; a message waiting there is left unread."""
+    from multiprocessing.connection import Client, Listener
+
+    from pagedllm.executor.multiproc import _closed
+
+    with Listener(("127.0.0.1", 0)) as listener:
+        clients, conns = [], []
+        for _ in range(3):
+            clients.append(Client(listener.address))
+            conns.append(listener.accept())
+        assert _closed(conns) == []  # idle and open
+        clients[1].send(("result", 1))
+        clients[2].close()
+        assert _closed(conns) == [conns[2]]
+        assert conns[1].recv() == ("result", 1)  # (peeked, not consumed)
+        clients[0].close()
+        assert _closed(conns) == [conns[0], conns[2]]
