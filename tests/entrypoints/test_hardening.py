@@ -85,16 +85,16 @@ def hostile_requests(model: str) -> list[tuple[str, str, dict | bytes, set[int],
         ("tool without a name", ch, {**chat, "tools": [{"type": "function", "function": {}}], "tool_choice": "required"},
          {400}, "tools"),
         ("response_format xml", ch, {**chat, "response_format": {"type": "xml"}}, {400}, "response_format"),
-        ("guided_json invalid schema", c, {**base, "guided_json": {"type": "nonsense"}}, {400}, "structured_outputs"),
-        ("guided_regex invalid", c, {**base, "guided_regex": "a(b"}, {400}, "structured_outputs"),
-        ("guided_grammar syntax error", c, {**base, "guided_grammar": "root ::= ("}, {400}, "structured_outputs"),
+        ("guided_json invalid schema", c, {**base, "guided_json": {"type": "nonsense"}}, {400}, "guided_json"),
+        ("guided_regex invalid", c, {**base, "guided_regex": "a(b"}, {400}, "guided_regex"),
+        ("guided_grammar syntax error", c, {**base, "guided_grammar": "root ::= ("}, {400}, "guided_grammar"),
         ("two constraints", c, {**base, "guided_regex": "a+", "guided_choice": ["a"]}, {400}, "structured_outputs"),
         ("2 MiB schema", c, {**base, "guided_json": {"description": "d" * (2 << 20)}}, {400}, "structured_outputs"),
         # Found invalid only once compiled (was: a 500).
-        ("guided_json that admits no output", c, {**base, "guided_json": SELF_LOOP_SCHEMA}, {400}, "structured_outputs"),
+        ("guided_json that admits no output", c, {**base, "guided_json": SELF_LOOP_SCHEMA}, {400}, "guided_json"),
         ("json_schema response_format that admits no output", ch,
          {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SELF_LOOP_SCHEMA}}},
-         {400}, "structured_outputs"),
+         {400}, "response_format"),
         ("best_of below n", c, {**base, "n": 3, "best_of": 2}, {400}, "best_of"),
         # Found by an adversarial session (2026-11-27): best_of 100000 queued 100,000 samples.
         ("best_of beyond max_num_seqs", c, {**base, "best_of": 100_000}, {400}, "best_of"),
@@ -201,7 +201,7 @@ def test_hostile_requests_never_hurt_normal_streams(faulty_server, tiny_llama_to
     assert json.loads(error_event)["error"]["code"] == 500
     assert rejected[-1] == "[DONE]"
     error = json.loads(rejected[-2])["error"]
-    assert error["code"] == 400 and error["param"] == "structured_outputs" and "admits no output" in error["message"], error
+    assert error["code"] == 400 and error["param"] == "guided_json" and "admits no output" in error["message"], error
     completed = sum(text == ref for (text, events), ref in zip(results, alone))
     lost = len(normal) - completed
     print(f"\nhostile requests tried: {len(hostile) + 1}; normal streams completed identically: {completed}/8; lost: {lost}")

@@ -194,18 +194,21 @@ def test_auto_tool_choice_parses_hermes_calls(client, model, stream):
 
 def test_bad_constraints_get_400_and_the_server_keeps_serving(server, model):
     chat = {"model": model, "messages": MESSAGES, "max_tokens": 5}
-    bad = [
-        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "bogus"),
-        ({**chat, "guided_regex": "(unclosed"}, "regex"),
-        ({**chat, "guided_grammar": 'root ::= "a" | undefined'}, "undefined"),
+    bad = [  # (the error's param names the field the request used: an adversarial session saw structured_outputs)
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "bogus", "response_format"),
+        ({**chat, "guided_regex": "(unclosed"}, "regex", "guided_regex"),
+        ({**chat, "structured_outputs": {"regex": "(unclosed"}}, "regex", "structured_outputs"),
+        ({**chat, "guided_grammar": 'root ::= "a" | undefined'}, "undefined", "guided_grammar"),
         ({**chat, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch_rockets"}}}, "launch_rockets"),
         ({**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
           "tool_choice": "required"}, "parameters"),  # fmt: skip
         ({**chat, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
     ]
-    for body, problem in bad:
+    for body, problem, *param in bad:
         resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
         assert resp.status_code == 400, resp.text
         assert problem in resp.json()["error"]["message"], resp.text
+        if param:
+            assert resp.json()["error"]["param"] == param[0], resp.text
     ok = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None

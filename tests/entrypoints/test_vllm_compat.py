@@ -151,7 +151,7 @@ def test_time_per_output_token_uses_the_longest_samples_tokens(tiny_llama):
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), log_stats_interval=1e9)
     fake = types.SimpleNamespace(engine=engine, num_running=lambda: 0, num_waiting=lambda: 0, kv_cache_usage=lambda: 0.0,
-                                 data_parallel_size=1, add_stat_logger=lambda s: None, output_hooks=[])  # fmt: skip
+                                 data_parallel_size=1, add_stat_logger=lambda s: None, output_hooks=[], request_hooks=[])  # fmt: skip
     metrics = ServerMetrics(fake, "m")
     seen: list[int] = []
     record = metrics._record_phases

@@ -181,6 +181,12 @@ class _SamplingFields(_TextBody):
             raise ValueError(f"structured_outputs: give at most one output constraint; got {', '.join(sorted(given))}")
         return next(iter(given.values()), None)
 
+    def constraint_field(self) -> str | None:
+        """The request field its output constraint came from (for the error's ``param``)."""
+        names = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
+        field = next((n for n in names if getattr(self, n) is not None), None)
+        return field or ("response_format" if response_format_constraint(self.response_format) is not None else None)
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                          defaults: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:  # fmt: skip
         """``defaults``: the model's generation_config.json values (model/generation_config.py)

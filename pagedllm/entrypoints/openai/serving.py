@@ -80,14 +80,22 @@ class RequestRejectedError(ValueError):
     no output, known only once compiled): a 400 like any ValueError, naming the field."""
 
 
-async def _checked(request_id: str, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+def _named(message: str, constraint_field: str | None) -> str:
+    """An error about the output constraint, naming the request field it came from (the engine
+    knows it as structured_outputs, vLLM's name)."""
+    if constraint_field not in (None, "structured_outputs") and message.startswith("structured_outputs."):
+        return f"{constraint_field}: {message}"
+    return message
+
+
+async def _checked(request_id: str, stream: AsyncIterator[RequestOutput], constraint_field: str | None = None) -> AsyncIterator[RequestOutput]:
     """Pass outputs through; an output the engine ended with an error raises RequestRejectedError
     (the request's own fault) or RequestFailedError (the engine's)."""
     try:
         async for out in stream:
             if any(c.finish_reason == "error" for c in out.outputs):
                 if out.rejected and out.error:
-                    raise RequestRejectedError(out.error)
+                    raise RequestRejectedError(_named(out.error, constraint_field))
                 raise RequestFailedError(request_id)
             yield out
     finally:
@@ -96,14 +104,20 @@ async def _checked(request_id: str, stream: AsyncIterator[RequestOutput]) -> Asy
 
 async def _start(
     llm: AsyncLLM, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0,
-    lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None, cache_salt: str | None = None, constraint_field: str | None = None,
 ) -> list[AsyncIterator[RequestOutput]]:
-    """Queue every prompt in one engine command: all are accepted or none."""
+    """Queue every prompt in one engine command: all are accepted or none. ``constraint_field``:
+    the request field the output constraint came from, named by an error about it."""
     if cache_salt is not None:
         prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "cache_salt": cache_salt} for p in prompts]
     ids = _request_ids(base_id, len(prompts))
-    streams = await llm.add_requests(prompts, params, ids, priority, lora_request=lora_request)
-    return [_checked(base_id, s) for s in streams]
+    try:
+        streams = await llm.add_requests(prompts, params, ids, priority, lora_request=lora_request)
+    except ValueError as e:
+        if _named(str(e), constraint_field) != str(e):
+            raise ValueError(_named(str(e), constraint_field)) from e
+        raise
+    return [_checked(base_id, s, constraint_field) for s in streams]
 
 
 def stream_error_event(error: BaseException, request_id: str) -> str:
@@ -254,7 +268,8 @@ class OpenAIServing:
             prompts = await self._without_special_tokens(prompts)
         rid, engine_id = response_and_engine_ids("cmpl", client_id or req.request_id)
         created = int(time.time())
-        streams = await _start(self.llm, prompts, params, engine_id, req.priority, lora_request, req.cache_salt)
+        streams = await _start(self.llm, prompts, params, engine_id, req.priority, lora_request, req.cache_salt,
+                               req.constraint_field())  # fmt: skip
         if req.stream:
             ids = _request_ids(engine_id, len(prompts))
             return _aborting_on_exit(self.llm, ids, self._completion_stream(req, params, streams, rid, created))
@@ -422,7 +437,7 @@ class OpenAIServing:
         rid, engine_id = response_and_engine_ids("chatcmpl", client_id or req.request_id)
         created = int(time.time())
         streams = await _start(self.llm, [{"prompt_token_ids": prompt_ids}], params, engine_id, req.priority,
-                               lora_request, req.cache_salt)  # fmt: skip
+                               lora_request, req.cache_salt, req.constraint_field() if constraint is None else "tools")  # fmt: skip
         if req.stream:
             return _aborting_on_exit(
                 self.llm, [engine_id], self._chat_stream(req, params, streams[0], rid, created, len(prompt_ids), tools)
