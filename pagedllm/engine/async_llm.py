@@ -201,7 +201,10 @@ class AsyncLLM(RequestStreams):
             raise
         for hook in self.request_hooks:
             for rid, p in zip(request_ids, processed):
-                hook(rid, p)
+                try:
+                    hook(rid, p)
+                except Exception:  # (a metrics bug must not leave accepted requests without their streams)
+                    logger.exception("request hook %r failed", hook)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
 
     async def call_in_engine(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:

@@ -483,13 +483,6 @@ def _attach(parts: dict[str, int], ts: list[TensorInfo], rows: int, cols: int, c
 
 
 # ------------------------------------------------------------------------- the report
-def resolve_max_model_len(config: EngineConfig, arch: ModelArch) -> int:
-    max_model_len = config.max_model_len or arch.max_position_embeddings
-    if max_model_len > arch.max_position_embeddings:
-        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context ({arch.max_position_embeddings})")
-    return max_model_len
-
-
 def kv_capacity(config: EngineConfig, arch: ModelArch, max_model_len: int, context_len: int | None = None) -> KVCapacity:
     """The KV pool the engine will allocate for ``config`` (``startup.kv_cache_sizes``)."""
     from pagedllm.attention.kv_cache_dtype import resolve_kv_cache_dtype
@@ -516,6 +509,8 @@ def estimate(config: EngineConfig, context_len: int | None = None, native: bool 
     arch, tensors = read_tensors(source)
     if config.quantization is not None and source.format == "gguf":
         raise ValueError(f"quantization={config.quantization!r} is for Hugging Face checkpoints; a GGUF file is already quantized")
+    from pagedllm.engine.startup import resolve_max_model_len  # (the engine's rule: context, RoPE tables)
+
     max_model_len = resolve_max_model_len(config, arch)
     if native is None:
         from pagedllm.kernels.ops import native_available

@@ -138,7 +138,10 @@ class LLMEngine:
         self.best_of = BestOf()
         self.faults = FaultInjector()
         self._samples_of: dict[str, list[str]] = {}  # request id -> its samples' ids
-        self._loras_to_drop: set[int] = set()  # adapters removed while live requests still use them
+        # Adapters removed (remove_lora) and not loaded again (add_lora): dropped as soon as no
+        # live request uses them, also when a request that named one before its removal loads it.
+        self._removed_loras: set[int] = set()
+        self._loras_to_drop: set[int] = set()
         # Pipeline parallel: batches in flight, oldest first, and results collected early.
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._drained: deque[tuple[SchedulerOutput, ModelRunnerOutput | None]] = deque()
@@ -208,7 +211,7 @@ class LLMEngine:
         req = prompt if isinstance(prompt, ProcessedRequest) else self.processor.process(prompt, sampling_params, priority)
         lora_request = lora_request if lora_request is not None else req.lora_request
         if lora_request is not None:
-            self.add_lora(lora_request)
+            self._use_lora(lora_request)
         params = req.sampling_params
         if self.extra_stop_ids and not params.ignore_eos and not params.use_beam_search:
             params = replace(params, stop_token_ids=sorted(set(params.stop_token_ids or ()) | self.extra_stop_ids))
@@ -274,7 +277,7 @@ class LLMEngine:
         if self._id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if lora_request is not None:
-            self.add_lora(lora_request)
+            self._use_lora(lora_request)
         self.beams.add(request_id, req.prompt, req.prompt_token_ids, params, self.eos_token_ids, self.max_model_len, req.priority,
                        cache_salt=req.cache_salt, lora_request=lora_request)
         return request_id
@@ -292,12 +295,20 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and validate an adapter (kept in the LRU of max_cpu_loras); ValueError if it
         cannot serve (LoRA off, bad path or files, rank above max_lora_rank, wrong shapes)."""
+        self._use_lora(lora_request)
+        self._removed_loras.discard(lora_request.lora_int_id)  # loaded again on purpose
+        self._loras_to_drop.discard(lora_request.lora_int_id)
+
+    def _use_lora(self, lora_request: LoRARequest) -> None:
+        """A request's adapter, loaded if needed; an adapter removed while in use stays marked to
+        drop (a request that named it just before the unload must not keep it loaded for good)."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if self._lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
         self._lora.add(lora_request)
-        self._loras_to_drop.discard(lora_request.lora_int_id)  # wanted again
+        if lora_request.lora_int_id in self._removed_loras:
+            self._loras_to_drop.add(lora_request.lora_int_id)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop a loaded adapter now, unless live requests still use it (scheduled, held back
@@ -305,6 +316,7 @@ class LLMEngine:
         them and is dropped after the step where the last of them ends. True if dropped now."""
         if self._lora is None:
             return False
+        self._removed_loras.add(lora_int_id)
         if lora_int_id in self._loras_in_use():
             self._loras_to_drop.add(lora_int_id)
             return False
@@ -332,7 +344,11 @@ class LLMEngine:
         """Requests per adapter name: (running, waiting)."""
         running: dict[str, int] = {}
         waiting: dict[str, int] = {}
-        for reqs, counts in ((self.scheduler.running, running), ([*self.scheduler.waiting, *self.held_requests()], waiting)):
+        between = set(self.beams.between_steps())  # a running search's beams, re-queued between its steps
+        queued = list(self.scheduler.waiting)
+        now = [*self.scheduler.running, *(r for r in queued if r.request_id in between)]
+        later = [*(r for r in queued if r.request_id not in between), *self.held_requests()]
+        for reqs, counts in ((now, running), (later, waiting)):
             for r in reqs:
                 if r.lora_request is not None:
                     counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
@@ -342,6 +358,7 @@ class LLMEngine:
         """Abort a request (all its samples): blocks are freed at once."""
         self._end_request(request_id, RequestStatus.FINISHED_ABORTED)
         outputs = self.best_of.select(self.output_processor.make_outputs()) + self.beams.take_outputs()
+        self._drop_unused_loras()
         self.record_state()  # no step may follow (the engine may now be idle)
         return outputs
 
@@ -378,7 +395,8 @@ class LLMEngine:
         return len(self.scheduler.running) + len(self.beams.between_steps())
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) - len(self.beams.between_steps()) + len(self.held_requests())
+        # (max: read from the metrics thread, the queue and the beams may be seen a step apart)
+        return max(0, len(self.scheduler.waiting) - len(self.beams.between_steps())) + len(self.held_requests())
 
     def record_state(self) -> None:
         """Report the engine's state without a step (after an abort, or while idle): the

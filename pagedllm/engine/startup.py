@@ -211,6 +211,9 @@ def load_draft_model(config: EngineConfig, max_model_len: int, vocab_size: int) 
     return draft.model
 
 
+MAX_POOL_OVER_RAM = 2  # pools committed on first write may exceed RAM; this many times over it is a mistake
+
+
 def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
     """Blocks in the KV pool (``num_kv_blocks``, else what ``kv_cache_space`` GiB holds) and in
     the swap pool (``swap_space`` GiB, with ``preemption_mode="swap"``). With sliding-window
@@ -227,11 +230,15 @@ def kv_cache_sizes(config: EngineConfig, arch: ModelArch) -> KVCacheSizes:
             raise ValueError(f"kv_cache_space {space} GiB holds no block of {block_bytes} bytes")
     num_swap = int(config.swap_space * (1 << 30) // block_bytes) if config.preemption_mode == "swap" else 0
     # The pools are reserved, their pages committed as blocks are first written, so they may
-    # exceed what is free; beyond the machine's memory they are a mistake (and every block is
-    # a Python object: 10^8 of them took minutes and many GB before anything failed).
+    # exceed what is free, even the machine's memory; far beyond it they are a mistake (and
+    # every block is a Python object: 10^8 of them took minutes and many GB before anything
+    # failed). Counted per node (tensor parallelism over nodes splits the pool); a swap pool in
+    # a file (swap_path) lives on disk.
+    in_ram = num_blocks + (0 if config.swap_path else num_swap)
+    per_node = in_ram * block_bytes / max(1, config.nnodes)
     ram = physical_memory_bytes()
-    if ram is not None and (num_blocks + num_swap) * block_bytes > ram:
-        what = f"the KV pool ({num_blocks} blocks of {block_bytes} bytes)" + (f" and the swap pool ({num_swap})" if num_swap else "")
-        raise ValueError(f"{what} would take {(num_blocks + num_swap) * block_bytes / 2**30:.1f} GiB, more than this machine's "
+    if ram is not None and per_node > MAX_POOL_OVER_RAM * ram:
+        what = "the KV pool" + (" and the swap pool" if in_ram > num_blocks else "")
+        raise ValueError(f"{what} would take {per_node / 2**30:.1f} GiB per node, over {MAX_POOL_OVER_RAM}x this machine's "
                          f"{ram / 2**30:.1f} GiB; lower kv_cache_space / num_kv_blocks / swap_space")  # fmt: skip
     return KVCacheSizes(block_bytes, num_blocks, num_swap, layout)

@@ -138,7 +138,7 @@ def test_a_request_unloaded_under_while_rendered_never_runs_on_the_base(server, 
     shutil.copytree(adapter_dirs["c"], tmp_path / "late")
     load = {"lora_name": "late", "lora_path": str(tmp_path / "late")}
     assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=load, timeout=30).status_code == 200
-    slow = "{% for i in range(30000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}Tell me a story"  # ~2 s
+    slow = "{% for i in range(60000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}Tell me a story"  # ~4 s
 
     def chat(model: str) -> httpx.Response:
         body = {"model": model, "messages": [{"role": "user", "content": "x"}], "chat_template": slow, "max_tokens": 6,
@@ -149,7 +149,8 @@ def test_a_request_unloaded_under_while_rendered_never_runs_on_the_base(server, 
     assert adapted != base
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(chat, "late")
-        time.sleep(0.5)  # (the template renders for ~2 s)
+        time.sleep(0.5)  # (the template renders for ~4 s)
+        assert not pending.done()  # the unload comes while the request is being rendered
         assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=30).status_code == 200
         shutil.rmtree(tmp_path / "late")  # its files may go once unloaded
         r = pending.result()

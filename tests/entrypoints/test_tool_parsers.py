@@ -196,7 +196,11 @@ def test_required_keeps_each_tools_own_references():
     wrapper_shaped = {"addr": {"city": "x"}, "child": [{"name": "tree"}]}
     assert not _is_grammar_accept_string(grammar, json.dumps([{"name": "tree", "parameters": wrapper_shaped}]))
     # A "$ref" inside a value (const, enum, default) is data, left as it is.
-    valued = {"type": "object", "properties": {"k": {"const": {"$ref": "#"}}, "a": {"$ref": "#/properties/k"}}}
-    moved = json.loads(ToolChoice("required", [{"type": "function", "function": {"name": "v", "parameters": valued}}]).constraint().spec)
-    assert moved["$defs"]["tool0"]["properties"] == {"k": {"const": {"$ref": "#"}}, "a": {"$ref": "#/$defs/tool0/properties/k"}}
+    # ... but a property named "default" (or enum, const) is a schema like any other (the review).
+    valued = {"type": "object", "properties": {"k": {"const": {"$ref": "#"}}, "a": {"$ref": "#/properties/k"},
+                                               "default": {"$ref": "#/$defs/Inner"}}, "$defs": {"Inner": {"type": "integer"}}}  # fmt: skip
+    constraint = ToolChoice("required", [{"type": "function", "function": {"name": "v", "parameters": valued}}]).constraint()
+    moved = json.loads(constraint.spec)
+    assert moved["$defs"]["tool0"]["properties"] == {"k": {"const": {"$ref": "#"}}, "a": {"$ref": "#/$defs/tool0/properties/k"},
+                                                     "default": {"$ref": "#/$defs/tool0/$defs/Inner"}}  # fmt: skip
     assert _is_grammar_accept_string(grammar, json.dumps([{"name": "get_weather", "parameters": {}}]))

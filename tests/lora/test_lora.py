@@ -424,3 +424,12 @@ def test_an_unloaded_adapter_serves_its_accepted_requests_then_goes(tiny_llama_t
     shutil.rmtree(tmp_path / "a")  # allowed once unloaded (lora/manager.py)
     assert run()["held"] == expected
     assert 1 not in engine.list_loras() and engine.kv_cache_manager.usage() == 0.0  # dropped once unused
+    # A request that named an adapter before its unload, reaching the engine after it: served,
+    # then the adapter goes again (it stayed loaded for good); loading it again keeps it.
+    engine.add_lora(same)
+    assert engine.remove_lora(2) is True and 2 not in engine.list_loras()
+    add("late", same)
+    assert run()["late"] == expected and 2 not in engine.list_loras()
+    engine.add_lora(same)
+    add("again", same)
+    assert run()["again"] == expected and 2 in engine.list_loras()

@@ -82,22 +82,26 @@ class ToolChoice:
 
 
 _VALUES = ("const", "enum", "default", "examples")  # JSON values in a schema, never rewritten
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 def _has_ref(schema: Any) -> bool:
-    if isinstance(schema, dict):
-        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for k, v in schema.items() if k not in _VALUES)
-    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+    """Whether ``schema`` holds a local reference (rebasing it changes something)."""
+    return _refs_under(schema, "#/$defs/x") != schema
 
 
-def _refs_under(schema: Any, root: str) -> Any:
-    """``schema`` with each local ``$ref`` ("#...") rebased onto ``root`` (where it now lives)."""
+def _refs_under(schema: Any, root: str, is_map: bool = False) -> Any:
+    """``schema`` with each local ``$ref`` ("#...") rebased onto ``root`` (where it now lives).
+    In a name -> schema map (``is_map``) the keys are names, so a property called "default" is
+    a schema like any other."""
     if isinstance(schema, list):
         return [_refs_under(v, root) for v in schema]
     if not isinstance(schema, dict):
         return schema
+    if is_map:
+        return {k: _refs_under(v, root) for k, v in schema.items()}
     return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-            else v if k in _VALUES else _refs_under(v, root) for k, v in schema.items()}  # fmt: skip
+            else v if k in _VALUES else _refs_under(v, root, k in _MAPS) for k, v in schema.items()}  # fmt: skip
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
