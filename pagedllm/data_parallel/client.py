@@ -190,12 +190,7 @@ class DPAsyncLLM(RequestStreams):
             with self._lock:
                 self._forget(request_ids)
             raise
-        for hook in self.request_hooks:
-            for rid, p in zip(request_ids, processed):
-                try:
-                    hook(rid, p)
-                except Exception:  # (a metrics bug must not leave accepted requests without their streams)
-                    logger.exception("request hook %r failed", hook)
+        self._run_request_hooks(request_ids, processed)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
 
     def _forget(self, request_ids: list[str]) -> None:

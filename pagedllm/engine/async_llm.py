@@ -62,8 +62,17 @@ class RequestStreams:
     """What every async front of the engine shares (this in-process one, data parallel's):
     a request's delta outputs as an async iterator, aborted when its consumer goes away;
     request ids; work off the event loop; the liveness check. Subclasses provide
-    ``add_requests`` and ``abort``, and set ``_lock``, ``_counter``, ``_workers``, ``dead``
-    and ``_stopped``."""
+    ``add_requests`` and ``abort``, and set ``_lock``, ``_counter``, ``_workers``, ``dead``,
+    ``_stopped`` and ``request_hooks``."""
+
+    def _run_request_hooks(self, request_ids: list[str], processed: list[ProcessedRequest]) -> None:
+        """``hook(request_id, ProcessedRequest)`` of ``request_hooks`` for requests just accepted."""
+        for hook in self.request_hooks:
+            for rid, p in zip(request_ids, processed):
+                try:
+                    hook(rid, p)
+                except Exception:  # (a metrics bug must not leave accepted requests without their streams)
+                    logger.exception("request hook %r failed", hook)
 
     def new_request_id(self, prefix: str = "req") -> str:
         with self._lock:
@@ -199,12 +208,7 @@ class AsyncLLM(RequestStreams):
             for rid in request_ids:
                 self.abort(rid)
             raise
-        for hook in self.request_hooks:
-            for rid, p in zip(request_ids, processed):
-                try:
-                    hook(rid, p)
-                except Exception:  # (a metrics bug must not leave accepted requests without their streams)
-                    logger.exception("request hook %r failed", hook)
+        self._run_request_hooks(request_ids, processed)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
 
     async def call_in_engine(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:
