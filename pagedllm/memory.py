@@ -67,8 +67,3 @@ def drop_file_pages(paths: list[Path]) -> int:
         if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0:
             advised += hi - lo
     return advised
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The files a model's weights are mapped from: the GGUF file, or a directory's safetensors."""
-    return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]

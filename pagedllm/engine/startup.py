@@ -18,7 +18,7 @@ import torch
 from pagedllm.config import DEFAULT_KV_CACHE_SPACE_GIB, EngineConfig
 from pagedllm.kernels.ops import native_available
 from pagedllm.kv_cache.groups import KVCacheLayout
-from pagedllm.memory import drop_file_pages, physical_memory_bytes, trim_heap, weight_files
+from pagedllm.memory import drop_file_pages, physical_memory_bytes, trim_heap
 from pagedllm.model.arch import ModelArch
 from pagedllm.model.generation_config import GenerationDefaults, read_generation_config
 from pagedllm.model.llama import LlamaForCausalLM
@@ -138,7 +138,7 @@ def load_model(config: EngineConfig, shard: Callable[[ModelArch, dict], tuple[Mo
             tok, eos = load_tokenizer_and_eos(source, arch)
     # What loading left resident for nothing (memory.py): the weight files' pages it read and
     # the heap's freed copies.
-    drop_file_pages(weight_files(source.path))
+    drop_file_pages(source.weight_files())
     trim_heap()
     return LoadedModel(source, arch, model, tok, eos, max_model_len, times, placement.dense, generation)
 

@@ -43,6 +43,15 @@ class ModelSource:
     def gguf_file(self) -> Path | None:
         return self.path if self.format == "gguf" else None
 
+    def weight_files(self) -> list[Path]:
+        """The files the weights are read from: the GGUF file, or the checkpoint's safetensors
+        (those its shard index names)."""
+        if self.format == "gguf":
+            return [self.path]
+        from pagedllm.model.hf_loader import weight_files
+
+        return weight_files(self.path)
+
 
 def resolve_model(model: str | None) -> ModelSource:
     if model is None:
