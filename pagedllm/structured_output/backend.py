@@ -9,6 +9,7 @@ A ``GrammarMatcher`` per sequence then walks the automaton as tokens are accepte
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -85,6 +86,7 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
+@functools.lru_cache(maxsize=1024)  # (every request's schema is checked; the same patterns come back)
 def _regex_ok(pattern: str) -> bool:
     """Whether xgrammar's regex converter takes ``pattern`` (in a schema it drops what it cannot)."""
     import xgrammar as xgr

@@ -163,6 +163,14 @@ class _SamplingFields(_TextBody):
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's one output constraint, from whichever field gave it."""
+        return next(iter(self._constraints().values()), None)
+
+    def constraint_field(self) -> str | None:
+        """The request field its output constraint came from (for the error's ``param``)."""
+        return next(iter(self._constraints()), None)
+
+    def _constraints(self) -> dict[str, StructuredOutputsParams]:
+        """The output constraint by the field that gave it (at most one)."""
         given: dict[str, StructuredOutputsParams] = {}
         if self.structured_outputs is not None:
             try:
@@ -179,13 +187,7 @@ class _SamplingFields(_TextBody):
             given["response_format"] = fmt
         if len(given) > 1:
             raise ValueError(f"structured_outputs: give at most one output constraint; got {', '.join(sorted(given))}")
-        return next(iter(given.values()), None)
-
-    def constraint_field(self) -> str | None:
-        """The request field its output constraint came from (for the error's ``param``)."""
-        names = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
-        field = next((n for n in names if getattr(self, n) is not None), None)
-        return field or ("response_format" if response_format_constraint(self.response_format) is not None else None)
+        return given
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                          defaults: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:  # fmt: skip

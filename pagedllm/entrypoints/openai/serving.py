@@ -114,8 +114,9 @@ async def _start(
     try:
         streams = await llm.add_requests(prompts, params, ids, priority, lora_request=lora_request)
     except ValueError as e:
-        if _named(str(e), constraint_field) != str(e):
-            raise ValueError(_named(str(e), constraint_field)) from e
+        named = _named(str(e), constraint_field)
+        if named != str(e):
+            raise ValueError(named) from e
         raise
     return [_checked(base_id, s, constraint_field) for s in streams]
 
