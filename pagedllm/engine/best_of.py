@@ -4,7 +4,7 @@ The samples are an ordinary ``n = best_of`` request (engine/parallel_sampling.py
 prompt's KV blocks through the prefix cache), with logprobs switched on so each sample's
 cumulative logprob is summed as it is drawn. Its one final output (never deltas: which samples
 win is known only at the end) is cut to the best n, re-indexed 0..n-1 in that order; the
-logprobs are dropped again when the request did not ask for them. As vLLM, streaming is not
+logprobs (and the cumulative logprob) are dropped again when the request did not ask for them. As vLLM, streaming is not
 available with best_of > n.
 """
 
@@ -48,7 +48,8 @@ class BestOf:
             best = sorted(out.outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[: pick.n]
             for i, o in enumerate(best):
                 o.index = i
-                if not pick.keep_logprobs:
+                if not pick.keep_logprobs:  # as any request without logprobs: neither is reported
                     o.logprobs = None
+                    o.cumulative_logprob = None
             out.outputs = best
         return outputs

@@ -141,6 +141,9 @@ class Scheduler:
             n = self._chunk(req, req.num_computed_tokens, budget)
             spec = self._spec_tokens(req, n, budget - n)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n + len(spec)):
+                if spec:  # drafts are optional: verify none this step rather than preempt for them
+                    spec = []
+                    continue
                 victim = self._victim(policy, in_flight)
                 if victim is None or (in_flight and victim is req):
                     # Only requests in flight could give blocks: wait for them to come back

@@ -158,11 +158,15 @@ def test_best_of_returns_the_n_best_samples(tiny):
     kw = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     (all5,) = llm.generate([prompt], SamplingParams(n=5, logprobs=0, **kw), use_tqdm=False)
     (best2,) = llm.generate([prompt], SamplingParams(n=2, best_of=5, **kw), use_tqdm=False)
+    (best2_lp,) = llm.generate([prompt], SamplingParams(n=2, best_of=5, logprobs=0, **kw), use_tqdm=False)
     ranked = sorted(all5.outputs, key=lambda o: -o.cumulative_logprob)
     assert len({tuple(o.token_ids) for o in all5.outputs}) > 2  # the samples differ
     assert [o.token_ids for o in best2.outputs] == [o.token_ids for o in ranked[:2]]
-    assert [o.cumulative_logprob for o in best2.outputs] == pytest.approx([o.cumulative_logprob for o in ranked[:2]])
-    assert [o.index for o in best2.outputs] == [0, 1] and best2.outputs[0].logprobs is None
+    assert [o.token_ids for o in best2_lp.outputs] == [o.token_ids for o in ranked[:2]]
+    assert [o.cumulative_logprob for o in best2_lp.outputs] == pytest.approx([o.cumulative_logprob for o in ranked[:2]])
+    assert [o.index for o in best2.outputs] == [0, 1]
+    # Without logprobs asked for, neither the logprobs nor their sum are reported (as with n alone).
+    assert all(o.logprobs is None and o.cumulative_logprob is None for o in best2.outputs)
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=3, best_of=2)
 

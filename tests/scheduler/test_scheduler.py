@@ -548,3 +548,30 @@ def test_abort_preempted_request():
     assert not sched.waiting and "b" not in sched.requests
     run_to_completion(sched)
     assert len(a.output_token_ids) == 8
+
+
+# --------------------------------------------------------------------------- speculative drafts
+def test_drafts_are_dropped_rather_than_preempting_another_request():
+    """Draft tokens are optional: when the pool cannot also hold a request's drafts, its step
+    verifies none of them instead of preempting another request (whose KV would be recomputed)."""
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    a, b = make_request("a", 3, 5), make_request("b", 3, 5)
+    for r in (a, b):
+        sched.add_request(r)
+    step(sched)  # both prefill their 3 tokens into one block each: the pool is full
+    assert sched.kv.num_free_blocks == 0
+    a.spec_token_ids = [7, 8, 9]  # would need a second block for tokens 4..6
+    out = sched.schedule()
+    assert out.preempted_ids == [] and scheduled_ids(out) == ["a", "b"]
+    entry = out.scheduled[0]
+    assert entry.spec_token_ids == [] and entry.num_new_tokens == 1
+    # With room, the same drafts are scheduled.
+    roomy = make_scheduler(num_blocks=3, block_size=4)
+    c, d = make_request("c", 3, 5), make_request("d", 3, 5)
+    for r in (c, d):
+        roomy.add_request(r)
+    step(roomy)
+    c.spec_token_ids = [7, 8, 9]
+    out = roomy.schedule()
+    assert out.preempted_ids == [] and out.scheduled[0].spec_token_ids == [7, 8, 9]
+    assert out.scheduled[0].num_new_tokens == 4
