@@ -55,6 +55,8 @@ void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, in
 void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
                     int64_t K, int nthreads);
+void panel_gemm_set_pairs(int on);
+int panel_gemm_pairs();
 void rms_norm_f32(float* out, const float* x, int64_t x_stride, float* residual, const float* weight, float eps,
                   int64_t T, int64_t D, int nthreads);
 void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int64_t* positions, const float* cos_table,
@@ -956,6 +958,63 @@ inline void panel_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, co
         panel_tail512<MR - 1>(y, ldy, x, ldx, panel, K, cols, rows, stream);
     }
 }
+
+// Two adjacent panels (32 columns) per tile: 12 rows x 2 accumulators take 2 panel loads and
+// 12 broadcasts per k, 14 loads per 24 FMAs against the one-panel tile's 9 per 8. A core with
+// two 512-bit FMA units (Intel) is bound by loads with the one-panel tile; measured on an Intel
+// Xeon (family 6 model 207, AVX-512 without bf16/AMX), 2 threads, the model's linears: 64 rows
+// 183 -> 193, 256 rows 134 -> 206, 2048 rows 125 -> 213 GFLOP/s (8 and 14 rows were slower,
+// 10 as fast). Zen 4 (one 512-bit FMA per cycle) was not measured with it, so it stays on the
+// one-panel tile: the engine turns this on for Intel CPUs (kernels/build.py). Each y element
+// is still one k chain in order, so the bits are those of the one-panel tile.
+constexpr int MR512X2 = 12;
+
+template <int MR>
+inline void panel_pair_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K,
+                               int cols, bool stream) {
+    const float* p1 = panel + K * PANEL;
+    __m512 a[MR], b[MR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++) a[i] = b[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (stream) {
+            __builtin_prefetch(panel + (k + PANEL_PREFETCH) * PANEL, 0, 2);
+            __builtin_prefetch(p1 + (k + PANEL_PREFETCH) * PANEL, 0, 2);
+        }
+        const __m512 w0 = _mm512_loadu_ps(panel + k * PANEL), w1 = _mm512_loadu_ps(p1 + k * PANEL);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; i++) {
+            const __m512 v = _mm512_set1_ps(x[i * ldx + k]);
+            a[i] = _mm512_fmadd_ps(v, w0, a[i]);
+            b[i] = _mm512_fmadd_ps(v, w1, b[i]);
+        }
+    }
+    const __mmask16 mask = __mmask16((1u << cols) - 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(y + i * ldy, a[i]);
+        _mm512_mask_storeu_ps(y + i * ldy + PANEL, mask, b[i]);
+    }
+}
+
+template <int MR>
+inline void panel_pair_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K,
+                               int cols, int rows, bool stream) {
+    if constexpr (MR > 0) {
+        if (rows == MR) return panel_pair_tile512<MR>(y, ldy, x, ldx, panel, K, cols, stream);
+        panel_pair_tail512<MR - 1>(y, ldy, x, ldx, panel, K, cols, rows, stream);
+    }
+}
+
+// `rows` rows of x times two adjacent panels; `cols` counts the second panel's columns.
+void panel_pair_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                      int64_t rows) {
+    int64_t m = 0;
+    for (; m + MR512X2 <= rows; m += MR512X2)
+        panel_pair_tile512<MR512X2>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, m == 0);
+    if (m < rows)
+        panel_pair_tail512<MR512X2 - 1>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(rows - m), m == 0);
+}
 #endif
 
 void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
@@ -971,7 +1030,20 @@ void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float
 #endif
 }
 
+int g_panel_pairs = 0;  // panel_gemm_set_pairs
+
 }  // namespace
+
+// Two-panel tiles in panel_gemm_f32 (AVX-512 builds; elsewhere a no-op). Same bits either way.
+void panel_gemm_set_pairs(int on) {
+#ifdef PAGEDLLM_AVX512
+    g_panel_pairs = on != 0;
+#else
+    (void)on;
+#endif
+}
+
+int panel_gemm_pairs() { return g_panel_pairs; }
 
 // For the other source files (common.h): `rows` rows of x times one panel of `cols` columns.
 void pagedllm_panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
@@ -983,6 +1055,27 @@ void pagedllm_panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, co
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
                     int64_t K, int nthreads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
+#ifdef PAGEDLLM_AVX512
+    if (g_panel_pairs) {
+    const int64_t num_pairs = (num_panels + 1) / 2;
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int64_t rows = std::min(M_CHUNK, M - m0);
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < num_pairs; q++) {
+            const int64_t p = 2 * q;
+            float* yq = y + m0 * ldy + p * PANEL;
+            const float* xq = x + m0 * ldx;
+            if (p + 1 < num_panels)
+                panel_pair_tiles(yq, ldy, xq, ldx, panels + p * K * PANEL, K,
+                                 int(std::min<int64_t>(PANEL, N - (p + 1) * PANEL)), rows);
+            else
+                panel_tiles(yq, ldy, xq, ldx, panels + p * K * PANEL, K, int(std::min<int64_t>(PANEL, N - p * PANEL)), rows);
+        }
+    }
+    return;
+    }
+#endif
 #pragma omp parallel num_threads(nthreads)
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t rows = std::min(M_CHUNK, M - m0);
