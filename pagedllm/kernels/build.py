@@ -191,16 +191,17 @@ def load_kernels() -> ctypes.CDLL | None:
         logger.warning("native kernels unavailable, using the pure-torch kernels (slower): %s", e)
         return None
     isa = lib.pagedllm_kernels_isa().decode()
-    lib.panel_gemm_set_pairs(int(_panel_pairs(isa)))
-    logger.info("native CPU kernels loaded (%s%s)", isa, ", two-panel GEMM tiles" if lib.panel_gemm_pairs() else "")
+    lib.pagedllm_set_wide_fma(int(_wide_fma(isa)))
+    logger.info("native CPU kernels loaded (%s%s)", isa, ", tiles for full-width 512-bit FMAs" if lib.pagedllm_wide_fma() else "")
     return lib
 
 
-def _panel_pairs(isa: str) -> bool:
-    """Whether the AVX-512 dense GEMM takes two panels per tile: measured faster on an Intel
-    Xeon (two 512-bit FMA units, bound by loads with one panel), not measured on AMD Zen 4, so
-    on for Intel only. ``PAGEDLLM_PANEL_PAIRS=0/1`` overrides. The bits are the same either way."""
-    forced = os.environ.get("PAGEDLLM_PANEL_PAIRS")
+def _wide_fma(isa: str) -> bool:
+    """Whether the AVX-512 kernels take the tile shapes for cores with two full-width 512-bit FMA
+    units (cpu_kernels.cpp: g_wide_fma). Measured faster on an Intel Xeon; AMD Zen 4 splits
+    512-bit ops in halves and was measured with the other shapes, so on for Intel only.
+    ``PAGEDLLM_WIDE_FMA=0/1`` overrides. The bits are the same either way."""
+    forced = os.environ.get("PAGEDLLM_WIDE_FMA")
     if forced is not None:
         return forced == "1"
     return isa == "avx512" and _cpu_vendor() == "GenuineIntel"

@@ -116,28 +116,35 @@ def test_panel_gemm_matches_matmul(m, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(1, 8), (16, 96), (33, 577), (48, 64), (100, 576)])
-def test_two_panel_tiles_give_the_one_panel_bits(n, k):
-    """The AVX-512 GEMM's two-panel tiles (on for Intel CPUs) sum every output in the same k
-    order as the one-panel tiles: torch.equal for every row tail (tiles of 12 and 8 rows, chunks
-    of 96) and an odd number of panels (the last runs alone). Elsewhere the switch is a no-op."""
+def test_wide_fma_tiles_give_the_same_bits(n, k):
+    """The AVX-512 tile shapes for full-width 512-bit FMAs (on for Intel CPUs: two panels per
+    dense GEMM tile, the zmm tile for one- and two-row Q4_1 steps) sum every output in the same
+    k order as the others: torch.equal for every row tail (tiles of 12 and 8 rows, chunks of 96)
+    and an odd number of panels/groups (the last runs alone). Elsewhere the switch is a no-op."""
     lib = load_kernels()
     g = torch.Generator().manual_seed(n * 7 + k)
     w, x = torch.randn(n, k, generator=g), torch.randn(200, k, generator=g)
     panels = reference.pack_panels(w)
-    was = lib.panel_gemm_pairs()
+    quantized = []
+    if k % 32 == 0:
+        for qtype in ("Q4_1", "Q8_0"):
+            packed, _ = random_blocks(qtype, n, k, seed=n + k)
+            quantized.append((qtype, reference.group_blocks(packed, qtype, n, k)))
+    was = lib.pagedllm_wide_fma()
     try:
         outs = {}
         for on in (0, 1):
-            lib.panel_gemm_set_pairs(on)
+            lib.pagedllm_set_wide_fma(on)
             is_avx512 = lib.pagedllm_kernels_isa() == b"avx512"
-            assert lib.panel_gemm_pairs() == (on if is_avx512 else 0)
+            assert lib.pagedllm_wide_fma() == (on if is_avx512 else 0)
             outs[on] = [ops.panel_linear(x[:m], panels, n) for m in (1, 7, 8, 11, 12, 13, 25, 96, 97, 200)]
+            outs[on] += [ops.grouped_linear(x[:m], grouped, qtype, n) for qtype, grouped in quantized for m in (1, 2, 3)]
     finally:
-        lib.panel_gemm_set_pairs(was)
+        lib.pagedllm_set_wide_fma(was)
     for a, b in zip(outs[0], outs[1]):
-        assert torch.equal(a, b), f"{n}x{k}, {a.shape[0]} rows: the two tilings differ"
+        assert torch.equal(a, b), f"{n}x{k}, {a.shape[0]} rows: the tile shapes differ"
     want = x.double() @ w.double().t()
-    torch.testing.assert_close(outs[1][-1].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    torch.testing.assert_close(outs[1][9].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_linear_moves_its_weight_into_panels_unless_shared():

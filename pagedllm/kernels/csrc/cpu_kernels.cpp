@@ -55,8 +55,8 @@ void grouped_gemm_q4_1(float* y, const float* x, const uint8_t* w, int64_t M, in
 void grouped_gemm_q8_0(float* y, const float* x, const uint8_t* w, int64_t M, int64_t N, int64_t K, int nthreads);
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
                     int64_t K, int nthreads);
-void panel_gemm_set_pairs(int on);
-int panel_gemm_pairs();
+void pagedllm_set_wide_fma(int on);
+int pagedllm_wide_fma();
 void rms_norm_f32(float* out, const float* x, int64_t x_stride, float* residual, const float* weight, float eps,
                   int64_t T, int64_t D, int nthreads);
 void rope_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const int64_t* positions, const float* cos_table,
@@ -83,6 +83,24 @@ int pagedllm_team_size(int n);
 int pagedllm_debug_checks();
 }
 // C-API-END
+
+// The core runs 512-bit FMAs at full width on two units (Intel; Zen 4 splits each into two
+// 256-bit halves), set once at load by kernels/build.py. AVX-512 builds then take the tile
+// shapes measured faster there: two panels per dense GEMM tile, and the zmm tile for one- and
+// two-row Q4_1 steps. Every tile sums each output in the same order: the bits do not change.
+namespace {
+int g_wide_fma = 0;
+}  // namespace
+
+void pagedllm_set_wide_fma(int on) {
+#ifdef PAGEDLLM_AVX512
+    g_wide_fma = on != 0;
+#else
+    (void)on;
+#endif
+}
+
+int pagedllm_wide_fma() { return g_wide_fma; }
 
 
 // Defined in int8_gemm.cpp (its C API); the decoder stack calls it for int8-panel weights.
@@ -820,8 +838,11 @@ void grouped_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t
 #ifdef PAGEDLLM_AVX512
     // With one or two Q4_1 rows the AVX2 tile is faster on Zen 4, which runs a 512-bit op as
     // two 256-bit halves (measured with the chunked quants: 120 decoder linears at one row
-    // 3.0 vs 3.4 ms); with more rows the zmm tile's 8-row tiles share the dequant.
-    const bool zmm = !(pairs && std::is_same_v<Group, GroupQ4_1>);
+    // 3.0 vs 3.4 ms); with more rows the zmm tile's 8-row tiles share the dequant. With two
+    // full-width 512-bit FMA units (g_wide_fma: Intel) the zmm tile wins at one row too: a
+    // cache-resident 1536 x 576 Q4_1 linear 69.6 -> 50.1 us on one thread, W2 7.9 -> 7.4 ms
+    // per token (Intel Xeon model 207). The bits are the same either way.
+    const bool zmm = g_wide_fma || !(pairs && std::is_same_v<Group, GroupQ4_1>);
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t it = 0; it < items; it++) {
@@ -965,7 +986,7 @@ inline void panel_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, co
 // Xeon (family 6 model 207, AVX-512 without bf16/AMX), 2 threads, the model's linears: 64 rows
 // 183 -> 193, 256 rows 134 -> 206, 2048 rows 125 -> 213 GFLOP/s (8 and 14 rows were slower,
 // 10 as fast). Zen 4 (one 512-bit FMA per cycle) was not measured with it, so it stays on the
-// one-panel tile: the engine turns this on for Intel CPUs (kernels/build.py). Each y element
+// one-panel tile: the engine turns this on for Intel CPUs (g_wide_fma). Each y element
 // is still one k chain in order, so the bits are those of the one-panel tile.
 constexpr int MR512X2 = 12;
 
@@ -1030,20 +1051,7 @@ void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float
 #endif
 }
 
-int g_panel_pairs = 0;  // panel_gemm_set_pairs
-
 }  // namespace
-
-// Two-panel tiles in panel_gemm_f32 (AVX-512 builds; elsewhere a no-op). Same bits either way.
-void panel_gemm_set_pairs(int on) {
-#ifdef PAGEDLLM_AVX512
-    g_panel_pairs = on != 0;
-#else
-    (void)on;
-#endif
-}
-
-int panel_gemm_pairs() { return g_panel_pairs; }
 
 // For the other source files (common.h): `rows` rows of x times one panel of `cols` columns.
 void pagedllm_panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
@@ -1056,7 +1064,7 @@ void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const fl
                     int64_t K, int nthreads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
 #ifdef PAGEDLLM_AVX512
-    if (g_panel_pairs) {
+    if (g_wide_fma) {
     const int64_t num_pairs = (num_panels + 1) / 2;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
