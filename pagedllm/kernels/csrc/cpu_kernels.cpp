@@ -840,8 +840,8 @@ void grouped_gemm(float* y, const float* x, const uint8_t* w, int64_t M, int64_t
     // two 256-bit halves (measured with the chunked quants: 120 decoder linears at one row
     // 3.0 vs 3.4 ms); with more rows the zmm tile's 8-row tiles share the dequant. With two
     // full-width 512-bit FMA units (g_wide_fma: Intel) the zmm tile wins at one row too: a
-    // cache-resident 1536 x 576 Q4_1 linear 69.6 -> 50.1 us on one thread, W2 7.9 -> 7.4 ms
-    // per token (Intel Xeon model 207). The bits are the same either way.
+    // cache-resident 1536 x 576 Q4_1 linear 69.6 -> 50.1 us on one thread, W2 8.4-8.7 ->
+    // 7.2-8.1 ms per token alternated (Intel Xeon model 207). The bits are the same either way.
     const bool zmm = g_wide_fma || !(pairs && std::is_same_v<Group, GroupQ4_1>);
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -1063,34 +1063,30 @@ void pagedllm_panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, co
 void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panels, int64_t M, int64_t N,
                     int64_t K, int nthreads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
+    // A work item is one panel, or two adjacent ones with g_wide_fma (the last alone when the
+    // count is odd).
 #ifdef PAGEDLLM_AVX512
-    if (g_wide_fma) {
-    const int64_t num_pairs = (num_panels + 1) / 2;
-#pragma omp parallel num_threads(nthreads)
-    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
-        const int64_t rows = std::min(M_CHUNK, M - m0);
-#pragma omp for schedule(static)
-        for (int64_t q = 0; q < num_pairs; q++) {
-            const int64_t p = 2 * q;
-            float* yq = y + m0 * ldy + p * PANEL;
-            const float* xq = x + m0 * ldx;
-            if (p + 1 < num_panels)
-                panel_pair_tiles(yq, ldy, xq, ldx, panels + p * K * PANEL, K,
-                                 int(std::min<int64_t>(PANEL, N - (p + 1) * PANEL)), rows);
-            else
-                panel_tiles(yq, ldy, xq, ldx, panels + p * K * PANEL, K, int(std::min<int64_t>(PANEL, N - p * PANEL)), rows);
-        }
-    }
-    return;
-    }
+    const int64_t per_item = g_wide_fma ? 2 : 1;
+#else
+    const int64_t per_item = 1;
 #endif
+    const int64_t items = (num_panels + per_item - 1) / per_item;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t rows = std::min(M_CHUNK, M - m0);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; p++) {
-            const int cols = int(std::min<int64_t>(PANEL, N - p * PANEL));
-            panel_tiles(y + m0 * ldy + p * PANEL, ldy, x + m0 * ldx, ldx, panels + p * K * PANEL, K, cols, rows);
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t p = it * per_item;
+            float* yp = y + m0 * ldy + p * PANEL;
+            const float* xp = x + m0 * ldx;
+            const float* panel = panels + p * K * PANEL;
+#ifdef PAGEDLLM_AVX512
+            if (per_item == 2 && p + 1 < num_panels) {
+                panel_pair_tiles(yp, ldy, xp, ldx, panel, K, int(std::min<int64_t>(PANEL, N - (p + 1) * PANEL)), rows);
+                continue;
+            }
+#endif
+            panel_tiles(yp, ldy, xp, ldx, panel, K, int(std::min<int64_t>(PANEL, N - p * PANEL)), rows);
         }
     }
 }
