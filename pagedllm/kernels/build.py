@@ -97,15 +97,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "kernels"
 
 
-def _cpu_signature() -> str:
+def _cpuinfo_line(field: str) -> str | None:
+    """The first /proc/cpuinfo line of ``field`` (None where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
+            return next((line for line in f if line.startswith(field)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+
+
+def _cpu_signature() -> str:
+    return _cpuinfo_line("flags") or platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:
@@ -204,16 +206,4 @@ def _wide_fma(isa: str) -> bool:
     forced = os.environ.get("PAGEDLLM_WIDE_FMA")
     if forced is not None:
         return forced == "1"
-    return isa == "avx512" and _cpu_vendor() == "GenuineIntel"
-
-
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
+    return isa == "avx512" and "GenuineIntel" in (_cpuinfo_line("vendor_id") or "")
