@@ -947,104 +947,76 @@ inline void panel_tile(float* y, int64_t ldy, const float* x, int64_t ldx, const
 }
 
 #ifdef PAGEDLLM_AVX512
-// AVX-512: a panel row is one zmm, so a tile of MR rows x 16 columns is MR accumulators, each
-// FMA taking its x value as an embedded broadcast: MR FMAs per panel load. Each y element is
-// the same k chain as the AVX2 tile's, so the bits are the same. 8 rows (96 = 12 tiles) was
-// measured best on Zen 4: 6 and 10 about as fast, 12 and 14 slower (5-10%).
+// AVX-512: a panel row is one zmm, so a tile of MR rows x NP adjacent panels is MR * NP
+// accumulators, each FMA taking its x value as an embedded broadcast: MR * NP FMAs per NP
+// panel loads. Each y element is the same k chain as the AVX2 tile's, so the bits are the
+// same, whatever MR and NP. One panel, 8 rows (96 = 12 tiles) was measured best on Zen 4: 6
+// and 10 about as fast, 12 and 14 slower (5-10%).
 constexpr int MR512 = 8;
-
-template <int MR>
-inline void panel_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
-                          bool stream) {
-    __m512 acc[MR];
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        if (stream) __builtin_prefetch(panel + (k + PANEL_PREFETCH) * PANEL, 0, 2);
-        const __m512 w = _mm512_loadu_ps(panel + k * PANEL);
-#pragma GCC unroll 16
-        for (int i = 0; i < MR; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, acc[i]);
-    }
-    const __mmask16 mask = __mmask16((1u << cols) - 1);
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
-}
-
-// The rows left after the full tiles, in one tile of their own size.
-template <int MR>
-inline void panel_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
-                          int rows, bool stream) {
-    if constexpr (MR > 0) {
-        if (rows == MR) return panel_tile512<MR>(y, ldy, x, ldx, panel, K, cols, stream);
-        panel_tail512<MR - 1>(y, ldy, x, ldx, panel, K, cols, rows, stream);
-    }
-}
-
-// Two adjacent panels (32 columns) per tile: 12 rows x 2 accumulators take 2 panel loads and
-// 12 broadcasts per k, 14 loads per 24 FMAs against the one-panel tile's 9 per 8. A core with
-// two 512-bit FMA units (Intel) is bound by loads with the one-panel tile; measured on an Intel
+// Two panels (32 columns), 12 rows: 14 loads per 24 FMAs against one panel's 9 per 8. A core
+// with two 512-bit FMA units (Intel) is bound by loads with one panel; measured on an Intel
 // Xeon (family 6 model 207, AVX-512 without bf16/AMX), 2 threads, the model's linears: 64 rows
 // 183 -> 193, 256 rows 134 -> 206, 2048 rows 125 -> 213 GFLOP/s (8 and 14 rows were slower,
-// 10 as fast). Zen 4 (one 512-bit FMA per cycle) was not measured with it, so it stays on the
-// one-panel tile: the engine turns this on for Intel CPUs (g_wide_fma). Each y element
-// is still one k chain in order, so the bits are those of the one-panel tile.
+// 10 as fast). Zen 4 (one 512-bit FMA per cycle) was not measured with it, so it stays on one
+// panel: the engine turns this on for Intel CPUs (g_wide_fma).
 constexpr int MR512X2 = 12;
 
-template <int MR>
-inline void panel_pair_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K,
-                               int cols, bool stream) {
-    const float* p1 = panel + K * PANEL;
-    __m512 a[MR], b[MR];
+// `cols`: the columns of the last of the NP panels (the others are full).
+template <int MR, int NP>
+inline void panel_tile512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                          bool stream) {
+    __m512 acc[NP][MR];
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; p++)
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; i++) a[i] = b[i] = _mm512_setzero_ps();
+        for (int i = 0; i < MR; i++) acc[p][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        if (stream) {
-            __builtin_prefetch(panel + (k + PANEL_PREFETCH) * PANEL, 0, 2);
-            __builtin_prefetch(p1 + (k + PANEL_PREFETCH) * PANEL, 0, 2);
+        __m512 w[NP];
+#pragma GCC unroll 2
+        for (int p = 0; p < NP; p++) {
+            if (stream) __builtin_prefetch(panel + p * K * PANEL + (k + PANEL_PREFETCH) * PANEL, 0, 2);
+            w[p] = _mm512_loadu_ps(panel + p * K * PANEL + k * PANEL);
         }
-        const __m512 w0 = _mm512_loadu_ps(panel + k * PANEL), w1 = _mm512_loadu_ps(p1 + k * PANEL);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; i++) {
             const __m512 v = _mm512_set1_ps(x[i * ldx + k]);
-            a[i] = _mm512_fmadd_ps(v, w0, a[i]);
-            b[i] = _mm512_fmadd_ps(v, w1, b[i]);
+#pragma GCC unroll 2
+            for (int p = 0; p < NP; p++) acc[p][i] = _mm512_fmadd_ps(v, w[p], acc[p][i]);
         }
     }
     const __mmask16 mask = __mmask16((1u << cols) - 1);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
-        _mm512_storeu_ps(y + i * ldy, a[i]);
-        _mm512_mask_storeu_ps(y + i * ldy + PANEL, mask, b[i]);
+#pragma GCC unroll 2
+        for (int p = 0; p + 1 < NP; p++) _mm512_storeu_ps(y + i * ldy + p * PANEL, acc[p][i]);
+        _mm512_mask_storeu_ps(y + i * ldy + (NP - 1) * PANEL, mask, acc[NP - 1][i]);
     }
 }
 
-template <int MR>
-inline void panel_pair_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K,
-                               int cols, int rows, bool stream) {
+// The rows left after the full tiles, in one tile of their own size.
+template <int MR, int NP>
+inline void panel_tail512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                          int rows, bool stream) {
     if constexpr (MR > 0) {
-        if (rows == MR) return panel_pair_tile512<MR>(y, ldy, x, ldx, panel, K, cols, stream);
-        panel_pair_tail512<MR - 1>(y, ldy, x, ldx, panel, K, cols, rows, stream);
+        if (rows == MR) return panel_tile512<MR, NP>(y, ldy, x, ldx, panel, K, cols, stream);
+        panel_tail512<MR - 1, NP>(y, ldy, x, ldx, panel, K, cols, rows, stream);
     }
 }
 
-// `rows` rows of x times two adjacent panels; `cols` counts the second panel's columns.
-void panel_pair_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
-                      int64_t rows) {
+// `rows` rows of x times NP adjacent panels, in tiles of MR rows and one tile for the rest.
+template <int MR, int NP>
+void panel_rows512(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
+                   int64_t rows) {
     int64_t m = 0;
-    for (; m + MR512X2 <= rows; m += MR512X2)
-        panel_pair_tile512<MR512X2>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, m == 0);
-    if (m < rows)
-        panel_pair_tail512<MR512X2 - 1>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(rows - m), m == 0);
+    for (; m + MR <= rows; m += MR) panel_tile512<MR, NP>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, m == 0);
+    if (m < rows) panel_tail512<MR - 1, NP>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(rows - m), m == 0);
 }
 #endif
 
 void panel_tiles(float* y, int64_t ldy, const float* x, int64_t ldx, const float* panel, int64_t K, int cols,
                  int64_t rows) {
 #ifdef PAGEDLLM_AVX512
-    int64_t m = 0;
-    for (; m + MR512 <= rows; m += MR512)
-        panel_tile512<MR512>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, m == 0);
-    if (m < rows) panel_tail512<MR512 - 1>(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(rows - m), m == 0);
+    panel_rows512<MR512, 1>(y, ldy, x, ldx, panel, K, cols, rows);
 #else
     for (int64_t m = 0; m < rows; m += MR_MAX)
         panel_tile(y + m * ldy, ldy, x + m * ldx, ldx, panel, K, cols, int(std::min<int64_t>(MR_MAX, rows - m)), m == 0);
@@ -1082,7 +1054,7 @@ void panel_gemm_f32(float* y, int64_t ldy, const float* x, int64_t ldx, const fl
             const float* panel = panels + p * K * PANEL;
 #ifdef PAGEDLLM_AVX512
             if (per_item == 2 && p + 1 < num_panels) {
-                panel_pair_tiles(yp, ldy, xp, ldx, panel, K, int(std::min<int64_t>(PANEL, N - (p + 1) * PANEL)), rows);
+                panel_rows512<MR512X2, 2>(yp, ldy, xp, ldx, panel, K, int(std::min<int64_t>(PANEL, N - (p + 1) * PANEL)), rows);
                 continue;
             }
 #endif
