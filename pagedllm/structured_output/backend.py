@@ -80,7 +80,7 @@ UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "if", "then", "
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
               "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -127,7 +127,7 @@ def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
                 found += unenforced_keywords(sub, f"{path}/{key}/{i}")
-    for key in _SUBSCHEMA_MAPS:
+    for key in SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
                 found += unenforced_keywords(sub, f"{path}/{key}/{name}")

@@ -20,6 +20,7 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers import ToolCall, arguments_json
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.backend import SUBSCHEMA_MAPS
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -82,7 +83,6 @@ class ToolChoice:
 
 
 _VALUES = ("const", "enum", "default", "examples")  # JSON values in a schema, never rewritten
-_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
 def _has_ref(schema: Any) -> bool:
@@ -101,7 +101,7 @@ def _refs_under(schema: Any, root: str, is_map: bool = False) -> Any:
     if is_map:
         return {k: _refs_under(v, root) for k, v in schema.items()}
     return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-            else v if k in _VALUES else _refs_under(v, root, k in _MAPS) for k, v in schema.items()}  # fmt: skip
+            else v if k in _VALUES else _refs_under(v, root, k in SUBSCHEMA_MAPS) for k, v in schema.items()}  # fmt: skip
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
