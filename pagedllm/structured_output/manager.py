@@ -28,6 +28,8 @@ from pagedllm.structured_output import backend as xgrammar_backend
 
 logger = logging.getLogger("pagedllm.structured_output")
 
+JSON_KINDS = ("json", "json_object")  # constraints whose masks also drop JSON-illegal control characters
+
 # Constraints longer than this (as text) compile on their own thread: a 16 KiB choice list
 # compiles in ~0.1 s here, 64 KiB in ~0.9 s, 1 MiB in minutes (AMD EPYC Zen 4).
 SMALL_CONSTRAINT_CHARS = 16 << 10
@@ -149,7 +151,7 @@ class StructuredOutputManager:
         backend = self.backend()
         mask = torch.empty(len(ids), backend.bitmask_width, dtype=torch.int32)
         kinds = [self._owners[req_id].sampling_params.structured_outputs.kind for req_id in ids]
-        json_rows = [row for row, kind in enumerate(kinds) if kind in ("json", "json_object")]
+        json_rows = [row for row, kind in enumerate(kinds) if kind in JSON_KINDS]
         tag_rows = [row for row, kind in enumerate(kinds) if kind == "structural_tag"]
         backend.fill_bitmask([self._matchers[i] for i in ids], mask, json_rows, tag_rows)
         # xgrammar takes UTF-8-encoded surrogates (ED A0-BF ..) as characters; they are not
@@ -161,7 +163,7 @@ class StructuredOutputManager:
 
     def under_json(self, req_id: str) -> bool:
         """Whether the request with this id samples under a JSON constraint (json, json_object)."""
-        return self._owners[req_id].sampling_params.structured_outputs.kind in ("json", "json_object")
+        return self._owners[req_id].sampling_params.structured_outputs.kind in JSON_KINDS
 
     def tracks(self, req_id: str) -> bool:
         return req_id in self._matchers
