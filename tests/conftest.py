@@ -75,14 +75,11 @@ def default_tokenizer():
 @pytest.fixture(scope="session")
 def _hf_default_model_once():
     """transformers' own load of the default model's GGUF (the oracle), once per session: it
-    takes ~15 s (reading the file's metadata), and four modules compare against it."""
-    import transformers
-
+    takes seconds (reading the file's metadata), and four modules compare against it."""
     from pagedllm.model.loader import default_model_path
+    from tests.parity import load_gguf_oracle
 
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()  # fmt: skip
+    return load_gguf_oracle(default_model_path())
 
 
 @pytest.fixture(scope="module")

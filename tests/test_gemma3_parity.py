@@ -9,10 +9,9 @@ preemption.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.parity import assert_greedy_parity, oracle_generate
+from tests.parity import assert_greedy_parity, load_gguf_oracle, oracle_generate
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
@@ -41,11 +40,7 @@ def gemma_path() -> str:
 
 @pytest.fixture(scope="module")
 def oracle(gemma_path):
-    import transformers
-    from pathlib import Path
-
-    p = Path(gemma_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    hf = load_gguf_oracle(gemma_path)
     from pagedllm.model.loader import resolve_model
     from pagedllm.tokenizer import load_tokenizer
 
