@@ -201,11 +201,12 @@ class Scheduler:
             self.waiting.pop()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-                req.num_cached_tokens = num_computed + num_external  # (the prefix-cache stats: local hits)
-                bs = self.kv.block_size
-                out.num_prefix_queries += req.num_tokens
-                out.num_prefix_hits += num_computed
-                out.num_uncacheable_tokens += req.num_tokens - (req.num_tokens - 1) // bs * bs
+                req.num_cached_tokens = num_computed + num_external
+                if self.kv.enable_caching and not wants_prompt_logprobs:  # the prefix cache was looked up
+                    bs = self.kv.block_size
+                    out.num_prefix_queries += req.num_tokens
+                    out.num_prefix_hits += num_computed
+                    out.num_uncacheable_tokens += req.num_tokens - (req.num_tokens - 1) // bs * bs
             req.num_computed_tokens = num_computed + num_external
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -212,3 +212,18 @@ def test_bad_constraints_get_400_and_the_server_keeps_serving(server, model):
             assert resp.json()["error"]["param"] == param[0], resp.text
     ok = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_a_constraint_rejected_after_admission_moves_no_request_metric(server, model):
+    """A schema that admits no output is found out when its grammar compiles, after the request
+    was accepted; the client gets a 400 like any invalid request, and like theirs, it is not a
+    finished request in /metrics (nor are its sampling parameters observed)."""
+    names = ["pagedllm:request_success_total", "pagedllm:request_params_n_count", "pagedllm:e2e_request_latency_seconds_count"]
+    before = [server.metric(n) for n in names]
+    bad = {"model": model, "prompt": "x", "max_tokens": 4, "guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}
+    r = httpx.post(f"{server.url}/v1/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and "admits no output" in r.json()["error"]["message"], r.text
+    assert [server.metric(n) for n in names] == before
+    ok = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+    assert [server.metric(n) for n in names] == [b + 1 for b in before]

@@ -81,6 +81,24 @@ def test_prefix_hits_skip_computation_and_are_counted():
     assert out.num_uncacheable_tokens == 2
 
 
+def test_prefix_stats_count_only_requests_that_looked_up_the_cache():
+    """Caching off, or a request that wants prompt logprobs (every position computed): the
+    cache is not read, so no lookup is counted (vLLM records none either)."""
+    for caching in (False, True):
+        kv = KVCacheManager(num_blocks=100, block_size=16, enable_caching=caching)
+        sched = Scheduler(SchedulerConfig(16, 4096, 8192), kv)
+        a = make(40)
+        sched.add_request(a)
+        out, _ = step(sched)
+        assert (out.num_prefix_queries, out.num_uncacheable_tokens) == ((40, 8) if caching else (0, 0))
+        b = make(40)
+        b.sampling_params = SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=0)
+        sched.add_request(b)
+        out, _ = step(sched)
+        assert b.num_cached_tokens == 0
+        assert (out.num_prefix_queries, out.num_prefix_hits, out.num_uncacheable_tokens) == (0, 0, 0)
+
+
 def test_priority_request_preempts_lower_priority_and_finishes_first():
     kv = KVCacheManager(num_blocks=12, block_size=16)
     sched = Scheduler(SchedulerConfig(8, 4096, 8192, scheduling_policy="priority"), kv)

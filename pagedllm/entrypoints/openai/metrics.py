@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names and meanings under the ``pagedllm:`` prefix.
+"""Prometheus metrics with vLLM's names and meanings under the ``pagedllm:`` prefix (where a
+meaning differs, docs/vllm_compat.md says how: ``iteration_tokens_total``, echo without tokens).
 
 Fed from engine stats (per step) and from request outputs (per token and at the end), both
 delivered in the engine thread; gauges read the engine state when scraped. Each server has
@@ -185,16 +186,15 @@ class ServerMetrics:
             self._lora_last: tuple | None = None
         self._last_token_time: dict[str, float] = {}
         self._output_tokens: dict[str, dict[int, int]] = {}  # request id -> sample index -> output tokens so far
+        self._params: dict[str, Any] = {}  # request id -> SamplingParams, until it finishes
         async_llm.add_stat_logger(self)
         async_llm.output_hooks.append(self.on_output)
         async_llm.request_hooks.append(self.on_request)
 
     def on_request(self, request_id: str, req: Any) -> None:
-        """An accepted request (a ProcessedRequest): its sampling parameters."""
-        params = req.sampling_params
-        self.params_n.observe(params.n)
-        if params.max_tokens is not None:
-            self.params_max_tokens.observe(params.max_tokens)
+        """An accepted request (a ProcessedRequest): its sampling parameters, observed when it
+        finishes (as vLLM does), unless the engine then rejects it (``on_output``)."""
+        self._params[request_id] = req.sampling_params
 
     def record(self, stats: StepStats) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
@@ -230,6 +230,11 @@ class ServerMetrics:
                 self.lora_requests.labels(lora_name=name, state=state, **self.labels).set(n)
 
     def on_output(self, out: RequestOutput) -> None:
+        if out.rejected:  # refused after admission (a constraint that admits no output): the client got a 400,
+            self._params.pop(out.request_id, None)  # as for requests refused before the engine, no metric moves
+            self._output_tokens.pop(out.request_id, None)
+            self._last_token_time.pop(out.request_id, None)
+            return
         now = time.monotonic()
         # Tokens per sequence: the n samples (or beams) of a request advance together, so a
         # step that gives each its token is one inter-token gap, not n.
@@ -261,6 +266,11 @@ class ServerMetrics:
             self._output_tokens[out.request_id] = per_sample
         if out.finished:
             self._last_token_time.pop(out.request_id, None)
+            params = self._params.pop(out.request_id, None)
+            if params is not None:
+                self.params_n.observe(params.n)
+                if params.max_tokens is not None:
+                    self.params_max_tokens.observe(params.max_tokens)
             self.request_prompt_tokens.observe(len(out.prompt_token_ids))
             self.request_generation_tokens.observe(output_tokens)
             self.request_max_generation_tokens.observe(max(per_sample.values(), default=0))
