@@ -696,9 +696,11 @@ class LLMEngine:
         return self.runner.lora if self.runner is not None else None
 
     def close(self) -> None:
-        """Finish background work (the KV connector's queued saves) and stop the workers."""
+        """Finish background work (the KV connector's queued saves), stop the workers and
+        cancel the grammar compiles nobody waits for any more."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        self.structured.shutdown()
         self.executor.shutdown()
 
     @property

@@ -83,10 +83,13 @@ class LLM:
         return True  # (as vLLM's: whether it was reset; running requests keep their blocks)
 
     def shutdown(self) -> None:
-        """Stop the data-parallel replicas now (they are also stopped at exit); one engine in
-        this process needs nothing."""
+        """Stop the engine's background work now: the KV connector's saver (after writing its
+        queue), grammar compiles, tensor/pipeline workers, or the data-parallel replicas (all
+        also stopped at exit)."""
         if self.data_parallel is not None:
             self.data_parallel.shutdown()
+        else:
+            self.llm_engine.close()
 
     def chat(
         self,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.config import KVTransferConfig
 from pagedllm.kv_connector.base import KVConnectorStats, KVStore, StatsBox
@@ -28,6 +27,8 @@ class KVConnector:
     scheduler: SchedulerConnector
     worker: WorkerConnector
     saver: BlockSaver | None
+    # Closes the saver and store if this connector is dropped, or the process exits, unclosed.
+    on_drop: weakref.finalize | None = field(default=None, repr=False, compare=False)
 
     def take_stats(self) -> KVConnectorStats | None:
         return self.stats.take()
@@ -44,11 +45,17 @@ class KVConnector:
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued (up to ``timeout``), stop the saver thread."""
-        if self.saver is not None:
-            self.saver.close(timeout)
-            self.saver = None
-            self.worker.saver = None
-        self.store.close()
+        if self.on_drop is not None:
+            self.on_drop.detach()
+        _close(self.saver, self.store, timeout)
+        self.saver = None
+        self.worker.saver = None
+
+
+def _close(saver: BlockSaver | None, store: KVStore, timeout: float = 30.0) -> None:
+    if saver is not None:
+        saver.close(timeout)
+    store.close()
 
 
 def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, block_size: int, block_bytes: int) -> KVConnector:
@@ -63,9 +70,9 @@ def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, b
     saver = BlockSaver(store, stats) if config.saves else None
     connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, block_bytes, stats),
                             WorkerConnector(saver, stats, store), saver)  # fmt: skip
-    # An offline run that ends without close() still writes what it queued.
-    ref = weakref.ref(connector)
-    atexit.register(lambda: (c := ref()) is not None and c.close(timeout=30.0))
+    # An engine dropped, or an offline run ended, without close() still writes what it queued
+    # and stops its saver thread (which holds the saver and store, not the connector).
+    connector.on_drop = weakref.finalize(connector, _close, saver, store)
     logger.info("KV connector: %s, role %s, store %s (fingerprint %s, cap %.1f GiB)", config.kv_connector,
                 config.kv_role, store.dir, fingerprint.id, config.max_bytes / (1 << 30))  # fmt: skip
     return connector

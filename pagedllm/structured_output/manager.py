@@ -79,7 +79,8 @@ class StructuredOutputManager:
     def _pool_for(self, spec: str) -> ThreadPoolExecutor:
         """The compiler thread for a constraint of this text (``params.spec``), made on first use.
         Its torch ops run single-threaded: only the engine's thread may run OpenMP teams
-        (pagedllm/threads.py)."""
+        (pagedllm/threads.py). Not a daemon thread: Python would end it at exit inside xgrammar's
+        C++ code, which aborts the process; so exit waits for a compile still running."""
         big = len(spec) > SMALL_CONSTRAINT_CHARS
         if big not in self._pools:
             name = "pagedllm-grammar-big" if big else "pagedllm-grammar"
@@ -136,9 +137,14 @@ class StructuredOutputManager:
         return ready
 
     def drop(self, parent_id: str) -> list[Request]:
-        """Forget a held request (aborted before its grammar was ready); returns its samples."""
+        """Forget a held request (aborted before its grammar was ready); returns its samples.
+        Its compile is cancelled if it has not started and no other held request waits for it."""
         held = self._held.pop(parent_id, None)
-        return held.samples if held is not None else []
+        if held is None:
+            return []
+        if all(h.future is not held.future for h in self._held.values()):
+            held.future.cancel()  # (False once running: a compile cannot be stopped)
+        return held.samples
 
     # ------------------------------------------------------------------ each step
     def bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
@@ -191,5 +197,8 @@ class StructuredOutputManager:
             self._owners.pop(req_id, None)
 
     def shutdown(self) -> None:
+        """Cancel the queued compiles and let the compiler threads end after the one running
+        (if any: a compile cannot be stopped)."""
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.clear()

@@ -182,3 +182,35 @@ def test_two_live_replicas_share_a_directory(tiny_llama, cold, tmp_path):
     assert run(first) == cold
     assert run(second) == cold
     assert totals(second).num_hit_blocks == 11 and totals(second).num_rejected_blocks == 0
+
+
+def _savers() -> int:
+    import threading
+
+    return sum(t.name == "pagedllm-kv-saver" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("ending", ["shutdown", "dropped"])
+def test_an_engine_ended_without_close_stops_its_saver_and_keeps_its_saves(tiny_llama, tmp_path, ending, cold):
+    """Found by an adversarial session: each LLM with a connector, shut down (LLM.shutdown did
+    not close the engine) or just dropped, left its saver thread (and store) behind for the
+    rest of the process. Now either ending writes the queue and stops the thread."""
+    import gc
+    import time
+
+    gc.collect()  # (other tests' dropped engines stop their savers now, not in the middle of this one)
+    before = _savers()
+    llm = make_llm(tiny_llama, tmp_path / "store")
+    assert _savers() == before + 1
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == cold
+    if ending == "shutdown":
+        llm.shutdown()
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _savers() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _savers() == before
+    again = make_llm(tiny_llama, tmp_path / "store")  # what the first queued was written
+    assert run(again) == cold and totals(again).num_hit_blocks > 0
+    again.shutdown()
