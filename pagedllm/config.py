@@ -105,6 +105,7 @@ def _parse_json_config(cls: type, value: Any, name: str) -> Any:
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 
 
+MAX_LORA_RANK = 512  # vLLM's largest; the slots of every adapter rank are allocated when the engine starts
 MAX_PROMPT_LOOKUP = 64  # longest prompt_lookup_max: a match longer than this predicts no better
 
 
@@ -334,6 +335,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:  # (each slot holds max_lora_rank x hidden per linear, allocated up front)
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK} (vLLM's largest), got {self.max_lora_rank}")
+        if self.swap_path is not None:
+            if not isinstance(self.swap_path, str) or not self.swap_path:
+                raise ValueError(f"swap_path must be a file path (str), got {self.swap_path!r}")
+            if self.preemption_mode != "swap":
+                raise ValueError("swap_path needs preemption_mode='swap' (the swap pool it backs)")
+            parent = os.path.dirname(os.path.abspath(self.swap_path))
+            if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+                raise ValueError(f"swap_path {self.swap_path!r}: no writable directory {parent!r}")
         if self.max_cpu_loras is not None and (not is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
 

@@ -14,9 +14,12 @@ def configure_logging(tag: str = "") -> None:
     root = logging.getLogger("pagedllm")
     if getattr(root, "_pagedllm_configured", False):
         return
+    level = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper()
+    if level not in logging.getLevelNamesMapping():
+        raise ValueError(f"PAGEDLLM_LOGGING_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {level!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT.replace("%(message)s", tag + "%(message)s"), datefmt="%m-%d %H:%M:%S"))
     root.addHandler(handler)
-    root.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    root.setLevel(level)
     root.propagate = False
     root._pagedllm_configured = True  # type: ignore[attr-defined]

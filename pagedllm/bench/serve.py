@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.bench.common import add_workload_args, report, workload_from_args
-from pagedllm.entrypoints.arg_types import positive_float, positive_int
+from pagedllm.entrypoints.arg_types import positive_float, positive_float_or_inf, positive_int
 
 
 def _slo(value: str) -> tuple[str, float]:
@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)  # without --workload: --input-len/--output-len/--num-prompts (W1-like defaults)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
-    p.add_argument("--request-rate", type=positive_float, default=float("inf"), help="Poisson arrival rate, req/s (default: inf)")
+    p.add_argument("--request-rate", type=positive_float_or_inf, default=float("inf"), help="Poisson arrival rate, req/s (default: inf)")
     p.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight at once")
     p.add_argument("--goodput", nargs="*", type=_slo, default=[], help="SLOs like ttft:500 tpot:100 (milliseconds)")
     p.add_argument("--api-key", default=None, help="bearer token for the server")
@@ -103,7 +103,13 @@ async def _run(args: argparse.Namespace) -> dict:
     w = workload_from_args(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(600.0)) as client:
-        model = args.model or (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"]
+        try:  # (the server must answer before the run starts: a clear error, not a traceback)
+            models = await client.get("/v1/models", headers=headers)
+        except httpx.HTTPError as e:
+            raise ValueError(f"--base-url {args.base_url}: no server answered ({type(e).__name__}: {e})") from None
+        if models.status_code != 200:
+            raise ValueError(f"--base-url {args.base_url}: GET /v1/models gave HTTP {models.status_code}: {models.text[:200]}")
+        model = args.model or models.json()["data"][0]["id"]
         bodies = [
             {"model": model, "prompt": p, "max_tokens": w.output_len, "temperature": 0, "ignore_eos": True,
              "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip

@@ -80,7 +80,8 @@ def run_pagedllm(w: Workload, engine_kwargs: dict, sampling: dict | None = None)
 
     prompts = [{"prompt_token_ids": p} for p in w.prompts()]
     llm = LLM(**engine_kwargs)
-    llm.generate(prompts[:4], [request_params(sampling, 4, i) for i in range(4)], use_tqdm=False)
+    warm = prompts[:4]  # (W2 has one prompt)
+    llm.generate(warm, [request_params(sampling, 4, i) for i in range(len(warm))], use_tqdm=False)
     before = llm.llm_engine.executor.collective_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, [request_params(sampling, w.output_len, i) for i in range(len(prompts))])
@@ -139,23 +140,41 @@ def run_pagedllm_dp(w: Workload, engine_kwargs: dict, sampling: dict) -> dict:
     return {"engine": f"pagedllm-dp{llm.data_parallel_size}", **_rates(w, elapsed)}
 
 
-def run_peer(engine: str, w: Workload, model: str | None, dtype: str, python: str | None,
-             peer_model: str | None, peer_env: list[str] = ()) -> dict:
-    """One peer on the workload, in a fresh process (peer_worker.py); its timing and rates."""
+def peer_plan(engine: str, args: argparse.Namespace, model: str | None) -> tuple[str | None, Path, str | None, dict[str, str]]:
+    """A peer's python, model directory, GGUF file name and extra environment from the --peer-*
+    flags, checked before any engine runs (a bad flag found after a W1 run loses its result)."""
     from pagedllm.model.loader import resolve_model
 
+    python = (peer_setting(engine, args.peer_python) or [None])[-1]
+    if python is not None and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ValueError(f"--peer-python for {engine}: {python!r} is not an executable file")
+    peer_model = (peer_setting(engine, args.peer_model) or [None])[-1]
     if peer_model is not None:
         path = Path(peer_model)
+        if not path.exists():
+            raise ValueError(f"--peer-model for {engine}: {peer_model!r} does not exist")
         target, gguf_file = (path.parent, path.name) if path.is_file() else (path, None)
     elif engine == "vllm":
-        raise SystemExit("--compare vllm needs --peer-model: an HF-format directory of the model (docs/benchmarks.md)")
+        raise ValueError("--compare vllm needs --peer-model: an HF-format directory of the model (docs/benchmarks.md)")
     else:
         source = resolve_model(model)
         target, gguf_file = (source.path.parent, source.path.name) if source.format == "gguf" else (source.path, None)
+    env = {}
+    for kv in peer_setting(engine, args.peer_env, sep=":"):
+        key, found, value = kv.partition("=")
+        if not found or not key:
+            raise ValueError(f"--peer-env for {engine}: expected KEY=VALUE, got {kv!r}")
+        env[key] = value
+    return python, target, gguf_file, env
+
+
+def run_peer(engine: str, w: Workload, dtype: str, plan: tuple[str | None, Path, str | None, dict[str, str]]) -> dict:
+    """One peer on the workload, in a fresh process (peer_worker.py); its timing and rates."""
+    python, target, gguf_file, peer_env = plan
     job = {"engine": engine, "model": str(target), "gguf_file": gguf_file, "dtype": dtype,
            "prompts": w.prompts(), "output_len": w.output_len}  # fmt: skip
     worker = Path(__file__).with_name("peer_worker.py")
-    env = {**os.environ, **dict(kv.split("=", 1) for kv in peer_env)}
+    env = {**os.environ, **peer_env}
     proc = subprocess.run([python or sys.executable, str(worker)], input=json.dumps(job), capture_output=True,
                           text=True, env=env)  # fmt: skip
     if proc.returncode != 0:
@@ -178,6 +197,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     sampling = sampling_from_args(args)
     if sampling and args.compare:
         raise ValueError("--compare runs greedy only (the peers are not given --temperature, --top-p, ...)")
+    plans = {engine: peer_plan(engine, args, engine_kwargs.get("model")) for engine in dict.fromkeys(args.compare)}
     ours = run_pagedllm(w, engine_kwargs, sampling)
     result = {"workload": w.name, "model": engine_kwargs.get("model") or DEFAULT_MODEL_NAME,
               "num_prompts": w.num_prompts, "input_len": w.input_len, "output_len": w.output_len,
@@ -193,12 +213,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         f"{ours['total_tokens_per_s']:.1f} total tokens/s, {ours['output_tokens_per_s']:.1f} output tokens/s "
         f"({ours['elapsed_s']:.1f} s)"
     ) + parallel_line(ours.get("parallel"))
-    for engine in dict.fromkeys(args.compare):
+    for engine, plan in plans.items():
         gc.collect()
-        python = (peer_setting(engine, args.peer_python) or [None])[-1]
-        model = (peer_setting(engine, args.peer_model) or [None])[-1]
-        base = run_peer(engine, w, engine_kwargs.get("model"), args.peer_dtype or result["dtype"], python, model,
-                        peer_setting(engine, args.peer_env, sep=":"))
+        base = run_peer(engine, w, args.peer_dtype or result["dtype"], plan)
         result[engine] = base = {**base, "dtype": args.peer_dtype or result["dtype"]}
         ratio = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
         result[f"ratio_output_tokens_per_s_{engine}"] = ratio

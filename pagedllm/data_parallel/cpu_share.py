@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pagedllm.envs import env_flag
+
 PIN_ENV = "PAGEDLLM_PIN_THREADS"
 THREADS_ENV = "PAGEDLLM_NUM_THREADS"
 
@@ -48,5 +50,5 @@ def share_from_env(rank: int, size: int) -> CpuShare:
         threads = int(env) if env else None
     except ValueError as e:
         raise ValueError(f"{THREADS_ENV} must be an integer, got {env!r}") from e
-    pin = os.environ.get(PIN_ENV, "").lower() in ("1", "true", "yes")
+    pin = env_flag(PIN_ENV, False)
     return replica_cpu_share(rank, size, usable_cpus(), threads, pin)

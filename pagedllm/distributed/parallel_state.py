@@ -10,11 +10,12 @@ GPUs). No global state: a ``ParallelContext`` is passed to what needs it.
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.envs import env_seconds
 
 # A collective that waits this long for a peer fails instead of hanging (the engine has
 # usually noticed the dead peer long before; PAGEDLLM_DIST_TIMEOUT overrides, in seconds).
@@ -78,7 +79,7 @@ def backend_for(device: torch.device | str) -> str:
 def init_parallel(info: RankInfo, master_addr: str, master_port: int, device: str = "cpu") -> ParallelContext:
     """Join the world (tcp:// rendezvous at rank 0's address, as torchrun's env://) and build
     every stage's tensor-parallel group (each rank must create every group, in order)."""
-    timeout = datetime.timedelta(seconds=float(os.environ.get("PAGEDLLM_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    timeout = datetime.timedelta(seconds=env_seconds("PAGEDLLM_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     dist.init_process_group(
         backend_for(device), init_method=f"tcp://{master_addr}:{master_port}", rank=info.rank,
         world_size=info.world_size, timeout=timeout,

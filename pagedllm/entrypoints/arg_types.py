@@ -9,7 +9,7 @@ import os
 from typing import Callable
 
 
-def _number(cast: Callable[[str], float], low: float, strict: bool, what: str) -> Callable[[str], float]:
+def _number(cast: Callable[[str], float], low: float, strict: bool, what: str, allow_inf: bool = False) -> Callable[[str], float]:
     def check(value: str):
         try:
             x = cast(value)
@@ -17,6 +17,8 @@ def _number(cast: Callable[[str], float], low: float, strict: bool, what: str) -
             raise argparse.ArgumentTypeError(f"not {what}: {value!r}") from None
         if isinstance(x, float) and math.isnan(x) or (x <= low if strict else x < low):
             raise argparse.ArgumentTypeError(f"must be {'above' if strict else 'at least'} {low:g}, got {value}")
+        if isinstance(x, float) and math.isinf(x) and not allow_inf:
+            raise argparse.ArgumentTypeError(f"must be finite, got {value}")
         return x
 
     return check
@@ -26,6 +28,9 @@ positive_int = _number(int, 1, False, "an integer")
 non_negative_int = _number(int, 0, False, "an integer")
 positive_float = _number(float, 0, True, "a number")
 non_negative_float = _number(float, 0, False, "a number")
+# Where infinity means something ("never", "all at once"): a request rate, a log interval.
+positive_float_or_inf = _number(float, 0, True, "a number", allow_inf=True)
+non_negative_float_or_inf = _number(float, 0, False, "a number", allow_inf=True)
 
 
 def tcp_port(value: str) -> int:

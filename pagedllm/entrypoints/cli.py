@@ -86,6 +86,8 @@ def _demo(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     llm = LLM(**{k: v for k, v in config.to_dict().items()})
     tok = llm.get_tokenizer()
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError(f"demo asks chat questions, and {args.model} has no tokenizer with a chat template")
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         for q in _DEMO_QUESTIONS

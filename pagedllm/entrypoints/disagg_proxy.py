@@ -23,6 +23,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.arg_types import positive_float, tcp_port
+
 logger = logging.getLogger("pagedllm.disagg_proxy")
 
 # Hop-by-hop and length headers are the proxy's own business, not the upstream's.
@@ -146,8 +148,8 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", required=True, help="URL of the prefill instance (pagedllm serve with kv_role kv_producer)")
     parser.add_argument("--decode", required=True, help="URL of the decode instance (kv_role kv_consumer, the same store)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    parser.add_argument("--prefill-timeout", type=float, default=600.0, help="seconds the prefill leg may take before the decode instance computes the prompt itself (default: %(default)s)")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--prefill-timeout", type=positive_float, default=600.0, help="seconds the prefill leg may take before the decode instance computes the prompt itself (default: %(default)s)")
 
 
 def run_proxy(args: argparse.Namespace) -> int:
@@ -159,8 +161,6 @@ def run_proxy(args: argparse.Namespace) -> int:
     for name, url in (("--prefill", args.prefill), ("--decode", args.decode)):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
-    if args.prefill_timeout <= 0:
-        raise ValueError(f"--prefill-timeout must be positive, got {args.prefill_timeout}")
     app = build_proxy_app(ProxyConfig(args.prefill, args.decode, args.prefill_timeout))
     logger.info("disagg-proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -39,7 +39,12 @@ class LLM:
         ``kv_cache_space``, ``enable_prefix_caching``, ...; see ``pagedllm/config.py``)."""
         known = {f.name for f in fields(EngineConfig)}
         engine_args = check_llm_args(engine_args)  # vLLM's arguments without meaning here (vllm_args.py)
-        if engine_args.pop("disable_log_stats", False):
+        disable_log_stats = engine_args.pop("disable_log_stats", False)
+        if not isinstance(disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats must be a bool, got {disable_log_stats!r}")
+        if isinstance(log_stats_interval, bool) or not isinstance(log_stats_interval, (int, float)) or not log_stats_interval >= 0:
+            raise ValueError(f"log_stats_interval must be a number of seconds >= 0 (0: every step, inf: never), got {log_stats_interval!r}")
+        if disable_log_stats:
             log_stats_interval = math.inf
         unknown = sorted(set(engine_args) - known)
         if unknown:

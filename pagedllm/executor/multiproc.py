@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, Listener, wait
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
+from pagedllm.envs import env_flag
 from pagedllm.executor.base import Executor, WorkerDeadError
 from pagedllm.executor.worker import WorkerInit, no_delay, run_worker
 from pagedllm.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -72,7 +73,7 @@ def rank_threads(local_world: int, local_rank: int) -> tuple[int, list[int] | No
     env = os.environ.get("PAGEDLLM_NUM_THREADS")
     threads = int(env) if env else share
     cpus = None
-    if os.environ.get("PAGEDLLM_PIN_THREADS") == "1":
+    if env_flag("PAGEDLLM_PIN_THREADS", False):
         start = (local_rank * share) % len(cores)
         cpus = cores[start : start + share] or cores
     return threads, cpus
@@ -136,7 +137,7 @@ class MultiprocExecutor(Executor):
         self._allreduce_total = 0.0
         self._num_steps = 0
         # Pipeline parallel: one batch per stage in flight (PAGEDLLM_PP_BATCH_QUEUE=0: one in all).
-        overlap = self.pp > 1 and os.environ.get("PAGEDLLM_PP_BATCH_QUEUE", "1") != "0"
+        overlap = self.pp > 1 and env_flag("PAGEDLLM_PP_BATCH_QUEUE", True)
         self.max_concurrent_batches = self.pp if overlap else 1
         try:
             self._accept_all(start_timeout)

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedllm.envs import env_flag
+
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +154,7 @@ def library_path(march: str = "native", defines: tuple[str, ...] = ()) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
     flags = [f"-march={march}", *FLAGS, *(f"-D{d}" for d in defines)]
-    if os.environ.get("PAGEDLLM_KERNEL_DEBUG", "0") == "1":  # every index checked in the kernels
+    if env_flag("PAGEDLLM_KERNEL_DEBUG", False):  # every index checked in the kernels
         flags.append("-DPAGEDLLM_DEBUG")
     code = b"".join(f.name.encode() + f.read_bytes() for f in [*sources(), *headers()])
     key = hashlib.sha256(code + " ".join([compiler, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:16]
@@ -184,8 +186,8 @@ def build_library(march: str = "native", defines: tuple[str, ...] = ()) -> ctype
 @functools.cache
 def load_kernels() -> ctypes.CDLL | None:
     """The kernel library for this CPU, built if needed; None when it cannot be had."""
-    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
-        logger.info("native kernels disabled by PAGEDLLM_NATIVE_KERNELS=0")
+    if not env_flag("PAGEDLLM_NATIVE_KERNELS", True):
+        logger.info("native kernels disabled by PAGEDLLM_NATIVE_KERNELS")
         return None
     try:
         lib = build_library()
@@ -203,7 +205,4 @@ def _wide_fma(isa: str) -> bool:
     units (cpu_kernels.cpp: g_wide_fma). Measured faster on an Intel Xeon; AMD Zen 4 splits
     512-bit ops in halves and was measured with the other shapes, so on for Intel only.
     ``PAGEDLLM_WIDE_FMA=0/1`` overrides. The bits are the same either way."""
-    forced = os.environ.get("PAGEDLLM_WIDE_FMA")
-    if forced is not None:
-        return forced == "1"
-    return isa == "avx512" and "GenuineIntel" in (_cpuinfo_line("vendor_id") or "")
+    return env_flag("PAGEDLLM_WIDE_FMA", isa == "avx512" and "GenuineIntel" in (_cpuinfo_line("vendor_id") or ""))

@@ -35,7 +35,7 @@ def _write_throughput(monkeypatch, path: Path, num_prompts: int, compare: bool) 
     monkeypatch.setattr(
         throughput,
         "run_peer",
-        lambda engine, w, model, dtype, python, peer_model, peer_env=(): {
+        lambda engine, w, dtype, plan: {
             "engine": engine,
             "version": "x",
             **throughput._rates(w, elapsed=0.02 * w.num_prompts + 1),

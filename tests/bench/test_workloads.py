@@ -88,3 +88,38 @@ def test_sampled_latency_seeds_each_request_alike_in_the_plain_and_the_speculati
     assert [q.seed for q in timed] == [0, 1, 0, 1]  # plain pass, then the speculative one
     assert all((q.temperature, q.top_p, q.ignore_eos) == (0.8, 0.9, True) for q in timed)
     assert result["output_tokens"] == result["plain"]["output_tokens"] == 12
+
+
+def test_throughput_bench_runs_a_single_prompt_workload(tiny_llama_tok):
+    """W2 has one prompt: the warm-up used to send four sampling params with it (found by an
+    adversarial session: `bench throughput --workload W2` always failed)."""
+    from pagedllm.bench import throughput
+
+    args = _throughput_args(["--num-prompts", "1", "--input-len", "8", "--output-len", "4"])
+    result = throughput.run(args, {"model": str(tiny_llama_tok), "num_kv_blocks": 64, "log_stats_interval": 1e9})
+    assert result["num_prompts"] == 1 and result["pagedllm"]["output_tokens_per_s"] > 0
+
+
+def test_bad_peer_flags_are_refused_before_any_engine_runs(monkeypatch, tmp_path):
+    import pytest
+
+    from pagedllm.bench import throughput
+
+    monkeypatch.setattr(throughput, "run_pagedllm", lambda *a, **k: pytest.fail("pagedllm ran before the peer flags were checked"))
+    cases = [
+        (["--compare", "vllm"], "needs --peer-model"),
+        (["--compare", "transformers", "--peer-env", "FOO"], "--peer-env for transformers: expected KEY=VALUE"),
+        (["--compare", "transformers", "--peer-python", str(tmp_path / "none")], "--peer-python for transformers"),
+        (["--compare", "vllm", "--peer-model", str(tmp_path / "none")], "--peer-model for vllm"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ValueError, match=message):
+            throughput.run(_throughput_args(["--num-prompts", "2", *argv]), {"dtype": "float32"})
+
+
+def test_bench_serve_without_a_server_is_a_clear_error(capsys):
+    from pagedllm.bench.common import free_port
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"]) == 2
+    assert "no server answered" in capsys.readouterr().err

@@ -30,6 +30,12 @@ from pagedllm.entrypoints.cli import main
     (["bench", "weight-quant", "--output", "/no/such/dir/x.json"], "argument --output: cannot write"),
     (["bench", "latency", "--num-iters", "0"], "argument --num-iters: must be at least 1"),
     (["bench", "prefix-cache", "--system-tokens", "-5"], "argument --system-tokens: must be at least 1"),
+    # A twelfth adversarial session: accepted, then an error only at use (a 500 for every
+    # request, a traceback at SIGTERM, a head of NaNs written with exit 0).
+    (["disagg-proxy", "--prefill", "http://a", "--decode", "http://b", "--prefill-timeout", "nan"], "argument --prefill-timeout: must be above 0"),
+    (["disagg-proxy", "--prefill", "http://a", "--decode", "http://b", "--port", "70000"], "argument --port: a TCP port is 0 to 65535"),
+    (["serve", "--graceful-shutdown-timeout", "inf"], "argument --graceful-shutdown-timeout: must be finite"),
+    (["train-draft-head", "--output", "/tmp", "--lr", "inf"], "argument --lr: must be finite"),
     # vLLM flags that would size or change something here are refused with what to use instead.
     (["serve", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's .* kv_cache_space"),
     (["serve", "--tokenizer", "x"], "--tokenizer is vLLM's .* read from the model"),
@@ -64,3 +70,66 @@ def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch, tiny_llama):
     assert seen["config"].model == str(tiny_llama) and seen["args"].model == str(tiny_llama)
     assert main(["serve", "--model", str(tiny_llama)]) == 0 and seen["config"].model == str(tiny_llama)
     assert main(["serve", str(tiny_llama), "--model", str(tiny_llama)]) == 0
+
+
+def _busy_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--api-key", ""], "--api-key is empty"),
+    (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid'"),
+    (["--port", "BUSY"], r"cannot listen on 127.0.0.1:\d+ \(--host, --port\)"),
+])  # fmt: skip
+def test_serve_refuses_where_it_cannot_listen_before_loading_the_model(argv, message, capsys, monkeypatch):
+    """Found by an adversarial session: the whole engine loaded (and the log said "serving on")
+    before the bind failed."""
+    from pagedllm.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "make_async_llm", lambda *a, **k: pytest.fail("the model loaded first"))
+    with _busy_port() as busy:
+        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
+        assert main(["serve", "--num-kv-blocks", "16", *argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_environment_switches_read_every_spelling_and_refuse_the_rest(monkeypatch):
+    from pagedllm.envs import env_flag, env_seconds
+
+    for value, want in [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("off", False), ("No", False), ("", None)]:
+        monkeypatch.setenv("PAGEDLLM_X", value)
+        assert env_flag("PAGEDLLM_X", None) is want, value  # (empty: the default)
+    monkeypatch.setenv("PAGEDLLM_X", "maybe")
+    with pytest.raises(ValueError, match="PAGEDLLM_X must be one of 1/true/yes/on or 0/false/no/off, got 'maybe'"):
+        env_flag("PAGEDLLM_X", True)
+    monkeypatch.delenv("PAGEDLLM_X")
+    assert env_seconds("PAGEDLLM_X", 7.0) == 7.0
+    for bad in ("abc", "-5", "0", "inf", "nan"):
+        monkeypatch.setenv("PAGEDLLM_X", bad)
+        with pytest.raises(ValueError, match="PAGEDLLM_X must be a"):
+            env_seconds("PAGEDLLM_X", 7.0)
+
+
+def test_a_bad_logging_level_names_the_variable(monkeypatch):
+    import logging
+
+    from pagedllm.logger import configure_logging
+
+    root = logging.getLogger("pagedllm")
+    monkeypatch.setattr(root, "_pagedllm_configured", False, raising=False)
+    handlers = list(root.handlers)
+    monkeypatch.setenv("PAGEDLLM_LOGGING_LEVEL", "bogus")
+    with pytest.raises(ValueError, match="PAGEDLLM_LOGGING_LEVEL must be one of .* got 'BOGUS'"):
+        configure_logging()
+    assert root.handlers == handlers  # nothing half-configured
+
+
+def test_demo_on_a_model_without_a_chat_template_says_so(tiny_llama, capsys):
+    assert main(["demo", "--model", str(tiny_llama), "--num-kv-blocks", "16"]) == 2
+    assert "has no tokenizer with a chat template" in capsys.readouterr().err

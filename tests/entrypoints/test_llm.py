@@ -159,6 +159,17 @@ def test_engine_config_errors_name_the_field(tiny_llama):
         (dict(num_kv_blocks=0), "num_kv_blocks"),
         (dict(max_model_len=100000), "max_model_len"),
         (dict(attention_backend="nope"), "attention_backend"),
+        # A twelfth adversarial session: an allocator traceback (a rank of 1e9), a traceback
+        # after the model loaded (no such directory), silently ignored (no swap mode), a
+        # TypeError at the first generate, stats off for the string "no".
+        (dict(enable_lora=True, max_lora_rank=10**9), "max_lora_rank must be at most 512"),
+        (dict(preemption_mode="swap", swap_path="/nonexistent/dir/f"), "swap_path '/nonexistent/dir/f': no writable directory"),
+        (dict(preemption_mode="swap", swap_path=123), "swap_path must be a file path"),
+        (dict(swap_path="/tmp/swap"), "swap_path needs preemption_mode='swap'"),
+        (dict(log_stats_interval="5"), "log_stats_interval must be a number of seconds"),
+        (dict(log_stats_interval=-1.0), "log_stats_interval must be a number of seconds"),
+        (dict(log_stats_interval=float("nan")), "log_stats_interval must be a number of seconds"),
+        (dict(disable_log_stats="no"), "disable_log_stats must be a bool"),
     ]:
         with pytest.raises(ValueError, match=field):
             LLM(str(tiny_llama), **kwargs)

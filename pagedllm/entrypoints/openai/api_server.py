@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.envs import env_flag
 from pagedllm.version import __version__
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.threads import single_thread
@@ -29,7 +30,7 @@ from pagedllm.engine.input_processor import encode_within
 from pagedllm.entrypoints.openai.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from pagedllm.entrypoints.arg_types import non_negative_float, positive_int, tcp_port
+from pagedllm.entrypoints.arg_types import non_negative_float, non_negative_float_or_inf, positive_int, tcp_port
 from pagedllm.entrypoints.openai.tools import check_tools
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -391,7 +392,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="how to find tool calls in the model's text for tool_choice auto")
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="LoRA adapters (PEFT directories) served under these names, selected by a request's model field; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'; needs --enable-lora. With PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1, POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
     g.add_argument("--headless", action="store_true", help="multi-node: run only this node's workers (ranks node_rank x world/nnodes onwards), which connect to the engine on --master-addr; no HTTP server (docs/parallelism.md)")
-    g.add_argument("--log-stats-interval", type=non_negative_float, default=5.0, help="seconds between stats log lines (default: %(default)s)")
+    g.add_argument("--log-stats-interval", type=non_negative_float_or_inf, default=5.0, help="seconds between stats log lines (default: %(default)s)")
 
 
 def default_max_waiting_requests(max_num_seqs: int) -> int:
@@ -411,6 +412,23 @@ def make_async_llm(engine_config: Any, **kwargs: Any) -> AsyncLLM:
     return AsyncLLM(engine_config, **kwargs)
 
 
+def check_listen(host: str, port: int) -> None:
+    """ValueError naming --host/--port when the server could not listen there: checked before the
+    model loads, not after (uvicorn binds only when it starts)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn: a port in TIME_WAIT is free)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror}") from None
+
+
 def run_server(args: argparse.Namespace, engine_config: Any) -> int:
     """Serve until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
     import uvicorn
@@ -427,6 +445,9 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not engine_config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.api_key == "":  # (an unset $KEY in --api-key "$KEY": serving without a key was not asked for)
+        raise ValueError("--api-key is empty; leave it out to serve without a key")
+    check_listen(args.host, args.port)
     llm = make_async_llm(engine_config, log_stats_interval=args.log_stats_interval, max_waiting_requests=max_waiting or None)
     single_thread()  # the event loop's thread: torch ops without an OpenMP team (pagedllm/threads.py)
     config = ServerConfig(
@@ -441,7 +462,7 @@ def run_server(args: argparse.Namespace, engine_config: Any) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         lora_modules=tuple(lora_modules),
-        allow_runtime_lora_updating=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+        allow_runtime_lora_updating=env_flag(RUNTIME_LORA_ENV, False),
     )
     try:
         app = build_app(llm, config)
