@@ -509,6 +509,10 @@ def estimate(config: EngineConfig, context_len: int | None = None, native: bool 
     arch, tensors = read_tensors(source)
     if config.quantization is not None and source.format == "gguf":
         raise ValueError(f"quantization={config.quantization!r} is for Hugging Face checkpoints; a GGUF file is already quantized")
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # (the engine's refusals, before any report)
+        from pagedllm.distributed.sharding import check_supported
+
+        check_supported(arch, config.tensor_parallel_size, config.pipeline_parallel_size)
     from pagedllm.engine.startup import resolve_max_model_len  # (the engine's rule: context, RoPE tables)
 
     max_model_len = resolve_max_model_len(config, arch)

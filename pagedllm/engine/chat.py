@@ -87,7 +87,8 @@ def render_chat(
     if continue_final_message and messages[-1]["role"] != "assistant":
         raise ValueError("continue_final_message needs the last message to be from the assistant")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the tokenizer has no chat template; pass chat_template")
+        raise ValueError("the tokenizer has no chat template; pass chat_template (a server accepts one only "
+                         "when started with --trust-request-chat-template)")
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -101,6 +102,8 @@ def render_chat(
     except Exception as e:  # template errors (jinja) are the caller's input problem
         raise ValueError(f"could not apply the chat template: {e}") from e
     text = require_text(text, "messages")
+    if not text:
+        raise ValueError("the chat template rendered the messages as empty text")
     if max_model_len is None:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return encode_within(tokenizer, text, max_model_len, "messages", add_special_tokens=add_special_tokens)

@@ -116,6 +116,10 @@ def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
     assert main(["estimate", "--model", str(tiny_llama), "--max-model-len", "512", "--context-len", "513"]) == 2
     assert "context_len (513) must be at most max_model_len (512)" in capsys.readouterr().err
     assert main(["estimate", "--model", str(tiny_llama), "--max-model-len", "100000"]) == 2
+    capsys.readouterr()
+    # A split the engine refuses is refused here too (an adversarial session saw a report for it).
+    assert main(["estimate", "--model", str(tiny_llama), "-tp", "3"]) == 2
+    assert "tensor_parallel_size (3) must divide or be a multiple of the model's 2 KV heads" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["config a list", "heads null", "huge header", "pool beyond memory"])

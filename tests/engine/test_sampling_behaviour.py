@@ -208,6 +208,10 @@ def test_chat_renders_the_template_and_rejects_malformed_messages(llm):
     ]:
         with pytest.raises(ValueError, match=match):
             llm.chat(bad, use_tqdm=False)
+    # A template that renders nothing is named as such (it was "prompt_token_ids is empty").
+    with pytest.raises(ValueError, match="the chat template rendered the messages as empty text"):
+        llm.chat([{"role": "user", "content": ""}], chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
+                 add_generation_prompt=False, use_tqdm=False)  # fmt: skip
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 
 

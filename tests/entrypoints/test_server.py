@@ -489,3 +489,19 @@ def test_tokenize_counts_past_the_context_but_not_without_bound(server):
     assert over["count"] > over["max_model_len"] == 512
     far = httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 100_000}, timeout=30)
     assert far.status_code == 400 and far.json()["error"]["param"] == "prompt"
+
+
+def test_tokenize_renders_messages_with_the_requests_template_arguments_as_chat_does(server, model):
+    """Found by an adversarial session: /tokenize dropped chat_template and chat_template_kwargs,
+    so it counted the model's own template (HTTP 200) where chat refused or rendered another."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for extra, message in [({"chat_template": "{{ messages[0].content }}"}, "--trust-request-chat-template"),
+                           ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set tools")]:  # fmt: skip
+        tokenized = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages, **extra}, timeout=30)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1, **extra}, timeout=30)
+        assert tokenized.status_code == chat.status_code == 400, (tokenized.text, chat.text)
+        assert message in tokenized.json()["error"]["message"] and message in chat.json()["error"]["message"]
+    kwargs = {"chat_template_kwargs": {"unused_by_the_template": 1}}
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages, **kwargs}, timeout=30).json()
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1, **kwargs}, timeout=30).json()
+    assert tokenized["count"] == chat["usage"]["prompt_tokens"]

@@ -347,6 +347,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             tools = check_tools(req.tools) if req.tools is not None else None
             ids = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                             continue_final_message=req.continue_final_message, tools=tools,
+                                            chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
                                             max_model_len=limit, add_special_tokens=bool(req.add_special_tokens))  # fmt: skip
         elif req.prompt is not None:
             add = req.add_special_tokens is not False

@@ -366,6 +366,8 @@ class TokenizeRequest(_TextBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None  # as chat renders them (checked as chat checks them)
+    chat_template: str | None = None  # ... and these two as well (the same trust rule)
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
