@@ -54,6 +54,16 @@ def authkey(config: EngineConfig) -> bytes:
     return b"pagedllm"
 
 
+def check_port_free(host: str, port: int, what: str) -> None:
+    """ValueError naming ``what`` when ``port`` cannot be bound on ``host``."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{what} {port} cannot be used on {host}: {e.strerror}") from None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -127,11 +137,16 @@ class MultiprocExecutor(Executor):
             dist_addr = "127.0.0.1"
             dist_port = config.master_port or free_port()
             listen = ("127.0.0.1", config.master_port + 1 if config.master_port else 0)
+            if config.master_port:  # (a port in use: said here, not as a worker's rendezvous traceback)
+                check_port_free(dist_addr, dist_port, "master_port")
         self._dead: str | None = None
         self._closed = False
         self._ready = False
         key = authkey(config)
-        self._listener = Listener(listen, authkey=key)
+        try:
+            self._listener = Listener(listen, authkey=key)
+        except OSError as e:
+            raise ValueError(f"the control channel cannot listen on {listen[0]}:{listen[1]} (master_port + 1): {e.strerror}") from None
         self.procs = start_local_workers(config, self._listener.address, key)
         self.conns: list[Connection | None] = [None] * self.world
         self._allreduce_total = 0.0

@@ -43,6 +43,23 @@ def test_an_engine_on_a_worker_node_is_refused_not_left_waiting(uneven_gqa):
         LLM(str(uneven_gqa), tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=29999, **ENGINE)
 
 
+def test_a_master_port_in_use_is_named_before_any_worker_starts(uneven_gqa):
+    """Found by an adversarial session: a worker's rendezvous traceback, then WorkerDeadError."""
+    import socket
+
+    from pagedllm.executor.multiproc import check_port_free
+
+    for offset, match in ((0, "master_port .* cannot be used on 127.0.0.1"), (1, r"control channel cannot listen .*\(master_port \+ 1\)")):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1] - offset
+            if offset:
+                check_port_free("127.0.0.1", port, "the port below the busy one")  # (else the first check fires)
+            with pytest.raises(ValueError, match=match):
+                LLM(str(uneven_gqa), tensor_parallel_size=2, master_port=port, **ENGINE)
+
+
 def test_config_refuses_what_does_not_shard(uneven_gqa):
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(str(uneven_gqa), tensor_parallel_size=0)
