@@ -97,19 +97,26 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": 1e3 * statistics.mean(values), "median": 1e3 * statistics.median(values), "p99": 1e3 * p99}
 
 
+async def _served_model(client, base_url: str, headers: dict) -> str:
+    """The server's model (GET /v1/models): a clear error, not a traceback, when none answers."""
+    import httpx
+
+    try:
+        models = await client.get("/v1/models", headers=headers)
+    except httpx.HTTPError as e:
+        raise ValueError(f"--base-url {base_url}: no server answered ({type(e).__name__}: {e})") from None
+    if models.status_code != 200:
+        raise ValueError(f"--base-url {base_url}: GET /v1/models gave HTTP {models.status_code}: {models.text[:200]}")
+    return models.json()["data"][0]["id"]
+
+
 async def _run(args: argparse.Namespace) -> dict:
     import httpx
 
     w = workload_from_args(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(600.0)) as client:
-        try:  # (the server must answer before the run starts: a clear error, not a traceback)
-            models = await client.get("/v1/models", headers=headers)
-        except httpx.HTTPError as e:
-            raise ValueError(f"--base-url {args.base_url}: no server answered ({type(e).__name__}: {e})") from None
-        if models.status_code != 200:
-            raise ValueError(f"--base-url {args.base_url}: GET /v1/models gave HTTP {models.status_code}: {models.text[:200]}")
-        model = args.model or models.json()["data"][0]["id"]
+        model = args.model or await _served_model(client, args.base_url, headers)
         bodies = [
             {"model": model, "prompt": p, "max_tokens": w.output_len, "temperature": 0, "ignore_eos": True,
              "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
