@@ -176,7 +176,7 @@ class SamplingParams:
                            "spaces_between_special_tokens", "detokenize"))  # fmt: skip
         if not is_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
-        if self.early_stopping not in (True, False, "never") or (is_int(self.early_stopping) and not isinstance(self.early_stopping, bool)):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):  # (1.0 == True: not a bool)
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
         if self.use_beam_search and self.temperature != 0:
             raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature!r}")

@@ -52,9 +52,6 @@ from pagedllm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("pagedllm.engine")
 
-EARLY_STOPPING = (True, False, "never")
-
-
 # |length_penalty| past this overflows length ** penalty for long outputs (8,192 ** 50 ~ 1e195).
 MAX_LENGTH_PENALTY = 50
 
@@ -84,7 +81,7 @@ class BeamSearchParams:
         if not is_number(lp) or abs(lp) > MAX_LENGTH_PENALTY:
             # (length ** 1e308 overflows in the middle of a search)
             raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got {lp!r}")
-        if self.early_stopping not in EARLY_STOPPING or isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):  # (1.0 == True: not a bool)
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
 
 

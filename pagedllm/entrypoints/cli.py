@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     model_tag = vars(args).pop("model_tag", None)
     names = getattr(args, "served_model_name", None) or []
+    if any(not n.strip() for n in names):
+        command_parser.error("--served-model-name: a model name cannot be empty")
     if model_tag is None and args.command == "serve" and args.model is None and any(Path(n).exists() for n in names):
         # (``serve --served-model-name NAME /path/model``: nargs="+" took the path as a name)
         command_parser.error(f"--served-model-name took {' '.join(names)}, a path among them: put the model "

@@ -118,7 +118,7 @@ def test_beams_run_beside_other_requests_and_abort(tiny_llama):
 
 def test_bad_beam_params(tiny):
     llm, _ = tiny
-    for bad in (dict(beam_width=0), dict(max_tokens=0), dict(temperature=0.7), dict(early_stopping="sometimes"),
+    for bad in (dict(beam_width=0), dict(max_tokens=0), dict(temperature=0.7), dict(early_stopping="sometimes"), dict(early_stopping=1.0),
                 dict(ignore_eos="yes"), dict(include_stop_str_in_output=None)):
         kw = dict(beam_width=2, max_tokens=4) | bad
         with pytest.raises(ValueError, match=next(iter(bad))):

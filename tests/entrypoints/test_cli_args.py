@@ -35,6 +35,7 @@ from pagedllm.entrypoints.cli import main
     (["disagg-proxy", "--prefill", "http://a", "--decode", "http://b", "--prefill-timeout", "nan"], "argument --prefill-timeout: must be above 0"),
     (["disagg-proxy", "--prefill", "http://a", "--decode", "http://b", "--port", "70000"], "argument --port: a TCP port is 0 to 65535"),
     (["serve", "--graceful-shutdown-timeout", "inf"], "argument --graceful-shutdown-timeout: must be finite"),
+    (["serve", "--served-model-name", ""], "--served-model-name: a model name cannot be empty"),
     (["train-draft-head", "--output", "/tmp", "--lr", "inf"], "argument --lr: must be finite"),
     # vLLM flags that would size or change something here are refused with what to use instead.
     (["serve", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's .* kv_cache_space"),

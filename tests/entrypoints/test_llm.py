@@ -118,6 +118,7 @@ def test_bad_input_is_a_value_error_and_the_engine_keeps_working(llm, prompt, pa
         (dict(ignore_eos="yes"), "ignore_eos"),
         (dict(skip_special_tokens=None), "skip_special_tokens"),
         (dict(detokenize=1), "detokenize"),
+        (dict(early_stopping=1.0), "early_stopping"),  # (1.0 == True, but not a bool)
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
