@@ -54,14 +54,18 @@ def authkey(config: EngineConfig) -> bytes:
     return b"pagedllm"
 
 
-def check_port_free(host: str, port: int, what: str) -> None:
-    """ValueError naming ``what`` when ``port`` cannot be bound on ``host``."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"{what} {port} cannot be used on {host}: {e.strerror}") from None
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why nothing could listen on host:port now (a ``socket.gaierror`` for the host), or None:
+    a socket is bound there and released at once, so the caller can name its flag before
+    starting what would bind it later."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn: a port in TIME_WAIT is free)
+            s.bind(addr)
+    except OSError as e:
+        return e
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,8 +141,9 @@ class MultiprocExecutor(Executor):
             dist_addr = "127.0.0.1"
             dist_port = config.master_port or free_port()
             listen = ("127.0.0.1", config.master_port + 1 if config.master_port else 0)
-            if config.master_port:  # (a port in use: said here, not as a worker's rendezvous traceback)
-                check_port_free(dist_addr, dist_port, "master_port")
+            # (a port in use: said here, not as a worker's rendezvous traceback)
+            if config.master_port and (error := bind_error(dist_addr, dist_port)) is not None:
+                raise ValueError(f"master_port {dist_port} cannot be used on {dist_addr}: {error.strerror}")
         self._dead: str | None = None
         self._closed = False
         self._ready = False

@@ -47,7 +47,7 @@ def test_a_master_port_in_use_is_named_before_any_worker_starts(uneven_gqa):
     """Found by an adversarial session: a worker's rendezvous traceback, then WorkerDeadError."""
     import socket
 
-    from pagedllm.executor.multiproc import check_port_free
+    from pagedllm.executor.multiproc import bind_error
 
     for offset, match in ((0, "master_port .* cannot be used on 127.0.0.1"), (1, r"control channel cannot listen .*\(master_port \+ 1\)")):
         with socket.socket() as busy:
@@ -55,7 +55,7 @@ def test_a_master_port_in_use_is_named_before_any_worker_starts(uneven_gqa):
             busy.listen()
             port = busy.getsockname()[1] - offset
             if offset:
-                check_port_free("127.0.0.1", port, "the port below the busy one")  # (else the first check fires)
+                assert bind_error("127.0.0.1", port) is None  # the port below the busy one (else the first check fires)
             with pytest.raises(ValueError, match=match):
                 LLM(str(uneven_gqa), tensor_parallel_size=2, master_port=port, **ENGINE)
 

@@ -418,16 +418,13 @@ def check_listen(host: str, port: int) -> None:
     model loads, not after (uvicorn binds only when it starts)."""
     import socket
 
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise ValueError(f"--host {host!r}: {e.strerror}") from None
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn: a port in TIME_WAIT is free)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror}") from None
+    from pagedllm.executor.multiproc import bind_error
+
+    error = bind_error(host, port)
+    if isinstance(error, socket.gaierror):
+        raise ValueError(f"--host {host!r}: {error.strerror}")
+    if error is not None:
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {error.strerror}")
 
 
 def run_server(args: argparse.Namespace, engine_config: Any) -> int:
