@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.bench.common import (
@@ -140,9 +141,19 @@ def run_pagedllm_dp(w: Workload, engine_kwargs: dict, sampling: dict) -> dict:
     return {"engine": f"pagedllm-dp{llm.data_parallel_size}", **_rates(w, elapsed)}
 
 
-def peer_plan(engine: str, args: argparse.Namespace, model: str | None) -> tuple[str | None, Path, str | None, dict[str, str]]:
-    """A peer's python, model directory, GGUF file name and extra environment from the --peer-*
-    flags, checked before any engine runs (a bad flag found after a W1 run loses its result)."""
+@dataclass(frozen=True)
+class PeerPlan:
+    """How to run one peer, from the --peer-* flags."""
+
+    python: str | None  # None: this interpreter
+    model_dir: Path
+    gguf_file: str | None
+    env: dict[str, str]  # set in the peer's process only
+
+
+def peer_plan(engine: str, args: argparse.Namespace, model: str | None) -> PeerPlan:
+    """A peer's plan from the --peer-* flags, checked before any engine runs (a bad flag found
+    after a W1 run loses its result)."""
     from pagedllm.model.loader import resolve_model
 
     python = (peer_setting(engine, args.peer_python) or [None])[-1]
@@ -165,17 +176,16 @@ def peer_plan(engine: str, args: argparse.Namespace, model: str | None) -> tuple
         if not found or not key:
             raise ValueError(f"--peer-env for {engine}: expected KEY=VALUE, got {kv!r}")
         env[key] = value
-    return python, target, gguf_file, env
+    return PeerPlan(python, target, gguf_file, env)
 
 
-def run_peer(engine: str, w: Workload, dtype: str, plan: tuple[str | None, Path, str | None, dict[str, str]]) -> dict:
+def run_peer(engine: str, w: Workload, dtype: str, plan: PeerPlan) -> dict:
     """One peer on the workload, in a fresh process (peer_worker.py); its timing and rates."""
-    python, target, gguf_file, peer_env = plan
-    job = {"engine": engine, "model": str(target), "gguf_file": gguf_file, "dtype": dtype,
+    job = {"engine": engine, "model": str(plan.model_dir), "gguf_file": plan.gguf_file, "dtype": dtype,
            "prompts": w.prompts(), "output_len": w.output_len}  # fmt: skip
     worker = Path(__file__).with_name("peer_worker.py")
-    env = {**os.environ, **peer_env}
-    proc = subprocess.run([python or sys.executable, str(worker)], input=json.dumps(job), capture_output=True,
+    env = {**os.environ, **plan.env}
+    proc = subprocess.run([plan.python or sys.executable, str(worker)], input=json.dumps(job), capture_output=True,
                           text=True, env=env)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

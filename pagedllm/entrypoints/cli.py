@@ -85,14 +85,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     llm = LLM(**{k: v for k, v in config.to_dict().items()})
-    tok = llm.get_tokenizer()
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ValueError(f"demo asks chat questions, and {args.model} has no tokenizer with a chat template")
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        for q in _DEMO_QUESTIONS
-    ]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    # (LLM.chat renders each question, or says why it cannot: no tokenizer, no chat template)
+    conversations = [[{"role": "user", "content": q}] for q in _DEMO_QUESTIONS]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=args.max_tokens))
     for question, out in zip(_DEMO_QUESTIONS, outputs):
         print(f"\n>>> {question}\n{out.outputs[0].text}")
     return 0
