@@ -63,6 +63,7 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     max_model_len: int | None = None,
     add_special_tokens: bool = False,
+    limit_name: str = "max_model_len",
 ) -> list[int]:
     """Token ids of the rendered conversation (special tokens come from the template only,
     unless ``add_special_tokens``: then the tokenizer's too, as vLLM's request field); a
@@ -106,7 +107,7 @@ def render_chat(
         raise ValueError("the chat template rendered the messages as empty text")
     if max_model_len is None:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return encode_within(tokenizer, text, max_model_len, "messages", add_special_tokens=add_special_tokens)
+    return encode_within(tokenizer, text, max_model_len, "messages", limit_name, add_special_tokens=add_special_tokens)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -154,15 +154,17 @@ def cache_salt(prompt: PromptType) -> str | None:
 HEAD_CHARS_PER_TOKEN = 16
 
 
-def encode_within(tokenizer: Any, text: str, limit: int, what: str, **kwargs: Any) -> list[int]:
-    """``tokenizer.encode(text, **kwargs)``, or a ValueError when it has ``limit`` tokens or
-    more, found from the text's head where that suffices: a 15 MB prompt would otherwise hold
-    a tokenizer thread for seconds just to be refused."""
+def encode_within(tokenizer: Any, text: str, limit: int, what: str, limit_name: str = "max_model_len",
+                  **kwargs: Any) -> list[int]:
+    """``tokenizer.encode(text, **kwargs)``, or a ValueError when the text's head alone (16
+    characters per allowed token) already has more than ``limit`` tokens: a 15 MB prompt would
+    otherwise hold a tokenizer thread for seconds just to be refused. A shorter text is encoded
+    whole and may still have more than ``limit`` tokens: the caller checks the whole count."""
     cut = HEAD_CHARS_PER_TOKEN * limit
     if len(text) > cut:
         head = tokenizer.encode(text[:cut], **kwargs)
         if len(head) > limit:  # (a token or two at the cut may merge differently: hence > limit)
-            raise ValueError(f"{what} is longer than max_model_len ({limit} tokens): at least {len(head) - 1} tokens")
+            raise ValueError(f"{what} is longer than {limit_name} ({limit} tokens): at least {len(head) - 1} tokens")
     return list(tokenizer.encode(text, **kwargs))
 
 

@@ -185,6 +185,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [-5]}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, None),
+    # (named "logprobs" before: the field a client sent is top_logprobs)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("/detokenize", {"tokens": [10**8]}, 400, None),
     # vLLM refuses stream_options without a stream; fields we cannot honour are refused, not ignored.
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -489,6 +492,13 @@ def test_tokenize_counts_past_the_context_but_not_without_bound(server):
     assert over["count"] > over["max_model_len"] == 512
     far = httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 100_000}, timeout=30)
     assert far.status_code == 400 and far.json()["error"]["param"] == "prompt"
+    assert "longer than 4 x max_model_len (2048 tokens)" in far.json()["error"]["message"]
+    # Found by an adversarial session: a text past the limit but short of the head check's 16
+    # characters per token (here ~2,100 tokens in 10,500 characters) was counted, not refused.
+    for body in [{"prompt": "word " * 2100}, {"messages": [{"role": "user", "content": "word " * 2100}]}]:
+        past = httpx.post(f"{server.url}/tokenize", json=body, timeout=30)
+        assert past.status_code == 400, past.text
+        assert "longer than 4 x max_model_len (2048 tokens)" in past.json()["error"]["message"]
 
 
 def test_tokenize_renders_messages_with_the_requests_template_arguments_as_chat_does(server, model):

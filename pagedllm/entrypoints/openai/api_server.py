@@ -343,17 +343,23 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         # TOKENIZE_LIMIT x max_model_len, refused from the text's head beyond that: the tokenizer
         # workers are shared with every completion and chat request (15 MB texts held them ~50 s).
         limit = TOKENIZE_LIMIT * serving.max_model_len
+        limit_name = f"{TOKENIZE_LIMIT} x max_model_len"
         if req.messages is not None:
+            what = "messages"
             tools = check_tools(req.tools) if req.tools is not None else None
             ids = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                             continue_final_message=req.continue_final_message, tools=tools,
                                             chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
-                                            max_model_len=limit, add_special_tokens=bool(req.add_special_tokens))  # fmt: skip
+                                            max_model_len=limit, add_special_tokens=bool(req.add_special_tokens),
+                                            limit_name=limit_name)  # fmt: skip
         elif req.prompt is not None:
+            what = "prompt"
             add = req.add_special_tokens is not False
-            ids = await llm.run_in_worker(encode_within, tok, req.prompt, limit, "prompt", add_special_tokens=add)
+            ids = await llm.run_in_worker(encode_within, tok, req.prompt, limit, what, limit_name, add_special_tokens=add)
         else:
             raise ValueError("prompt or messages is required")
+        if len(ids) > limit:  # (the head check above refuses only texts far over the limit)
+            raise ValueError(f"{what} is longer than {limit_name} ({limit} tokens): {len(ids)} tokens")
         body: dict[str, Any] = {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = tok.convert_ids_to_tokens(ids)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from pagedllm.engine.chat import TEXT_PART_SEPARATOR
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -349,6 +349,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Without max_tokens, the engine lets the reply run to the longest context it can hold."""
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # (named as sent)
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:  # (0 asks for nothing: accepted, as vLLM)
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
