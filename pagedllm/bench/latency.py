@@ -10,12 +10,14 @@ unless ``--temperature`` (and ``--top-p``, ...) is given: request i is then seed
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
 from pagedllm.bench.common import (
     add_sampling_args,
     add_workload_args,
+    percentile,
     report,
     request_params,
     sampling_from_args,
@@ -23,6 +25,7 @@ from pagedllm.bench.common import (
 )
 from pagedllm.bench.throughput import parallel_line, parallel_stats
 from pagedllm.bench.workloads import TEXT_PROMPTS
+from pagedllm.engine.stats import SpecDecodeStats
 from pagedllm.entrypoints.arg_types import positive_int
 
 
@@ -34,11 +37,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compare-plain", dest="compare_plain", action="store_false",
                    help="with --speculative-config: do not also measure the plain engine first")
     add_sampling_args(p)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def _one(engine, prompt: list[int], params, request_id: str) -> tuple[float, list[float], float]:
@@ -74,6 +72,7 @@ def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         prompts = w.prompts()[:1]
     sampling = sampling_from_args(args)
     _one(llm.llm_engine, prompts[0], request_params(sampling, 8, 0), "warmup")
+    warm_spec = copy.deepcopy(llm.llm_engine.stats.spec_total)  # the figures below leave the warm-up out
     before = llm.llm_engine.executor.collective_stats()
     ttfts, per_token, num_tokens, decode_cpu, decode_tokens, decode_wall = [], [], 0, 0.0, 0, 0.0
     for i in range(args.num_iters):
@@ -87,18 +86,20 @@ def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
             num_tokens += len(gaps) + 1
             decode_cpu, decode_tokens = decode_cpu + cpu, decode_tokens + len(gaps)
             decode_wall += sum(gaps)
-    spec = llm.llm_engine.stats.spec_total
+    total = llm.llm_engine.stats.spec_total
+    spec = SpecDecodeStats(total.num_drafts - warm_spec.num_drafts, total.num_draft_tokens - warm_spec.num_draft_tokens,
+                           total.num_accepted_tokens - warm_spec.num_accepted_tokens)  # fmt: skip
     parallel = parallel_stats(llm.llm_engine, before)
     llm.llm_engine.close()
     return {
         "parallel": parallel,
         "dtype": str(llm.llm_engine.config.torch_dtype).removeprefix("torch."),
         "activation_dtype": llm.llm_engine.config.activation_dtype,
-        "ttft_ms": {"mean": 1e3 * statistics.mean(ttfts), "median": 1e3 * statistics.median(ttfts), "p99": 1e3 * _percentile(ttfts, 99)},
+        "ttft_ms": {"mean": 1e3 * statistics.mean(ttfts), "median": 1e3 * statistics.median(ttfts), "p99": 1e3 * percentile(ttfts, 99)},
         "ms_per_output_token": {
             "mean": 1e3 * statistics.mean(per_token),
             "median": 1e3 * statistics.median(per_token),
-            "p99": 1e3 * _percentile(per_token, 99),
+            "p99": 1e3 * percentile(per_token, 99),
         },
         "output_tokens": num_tokens,
         # All output tokens after each request's first over their wall time: a token-weighted

@@ -67,12 +67,19 @@ def _title(prefix: str, results: list[Result]) -> str:
 
 
 def _engine_label(engine: str, r: Result) -> str:
-    """``engine (its dtype[, int8/int16 activations][, KV cache dtype])`` of one throughput result."""
+    """``engine (its dtype[, int8/int16 activations][, KV cache dtype][, DP/TP/PP][, sampling])``
+    of one throughput result: runs that differ in any of these are separate series, never averaged."""
     dtype = (r.get(engine) or {}).get("dtype") or r.get("dtype")
     if engine == "pagedllm" and r.get("activation_dtype") in ("int8", "int16"):
         dtype = f"{dtype}, {r['activation_dtype']} activations"
     if engine == "pagedllm" and r.get("kv_cache_dtype") not in (None, "auto", dtype):
         dtype = f"{dtype}, {r['kv_cache_dtype']} KV"
+    if engine == "pagedllm" and (r.get("data_parallel_size") or 1) > 1:
+        dtype = f"{dtype}, DP={r['data_parallel_size']}"
+    if engine == "pagedllm" and (parallel := (r.get("pagedllm") or {}).get("parallel")):
+        dtype = f"{dtype}, TP={parallel.get('tensor_parallel_size')} PP={parallel.get('pipeline_parallel_size')}"
+    if r.get("sampling"):
+        dtype = f"{dtype}, " + " ".join(f"{k} {v}" for k, v in sorted(r["sampling"].items()))
     return f"{engine} ({dtype})"
 
 
@@ -95,8 +102,10 @@ def _throughput_lines(ax: Any, series: dict, results: list[Result]) -> None:
     from matplotlib.ticker import NullLocator
 
     ticks: set[int] = set()
+    models = {shape[2] for shape in series}
     for shape, engines in sorted(series.items(), key=lambda kv: str(kv[0])):
         suffix = f", {shape[0]} -> {shape[1]} tokens" if len(series) > 1 else ""
+        suffix += f", {shape[2]}" if len(models) > 1 else ""
         for label, points in sorted(engines.items()):
             ns = sorted(points)
             ticks.update(ns)
@@ -121,9 +130,10 @@ def plot_throughput(results: list[Result], out: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    # shape -> engine and its dtype -> num_prompts -> output tok/s of each run (repeated runs are
-    # averaged). Each engine is labelled with its own dtype: a peer may run in another one
-    # (--peer-dtype), and pagedllm's int8 fast mode is its own series.
+    # (input_len, output_len, model) -> engine and its setup -> num_prompts -> output tok/s of each
+    # run (only repeats of the same run are averaged). Each engine is labelled with its own dtype:
+    # a peer may run in another one (--peer-dtype), and pagedllm's int8 fast mode, its DP / TP /
+    # PP runs and sampled runs are series of their own.
     series: dict[tuple, dict[str, dict[int, list[float]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list))
     )
@@ -132,7 +142,7 @@ def plot_throughput(results: list[Result], out: Path) -> Path | None:
         if not isinstance(n, int) or n <= 0:
             print(f"note: {r['_path']} has no usable 'num_prompts'; left out of the throughput plot")
             continue
-        shape = (r.get("input_len"), r.get("output_len"))
+        shape = (r.get("input_len"), r.get("output_len"), r.get("model"))
         for engine in ("pagedllm", "transformers", "vllm"):
             value = (r.get(engine) or {}).get("output_tokens_per_s")
             if isinstance(value, (int, float)):
@@ -180,16 +190,20 @@ def plot_serve(results: list[Result], out: Path) -> Path | None:
 
     groups: dict[tuple, list[Result]] = defaultdict(list)  # runs that differ only in request rate
     for r in usable:
-        groups[(r.get("workload"), r.get("max_concurrency"))].append(r)
+        shape = (r.get("num_prompts"), r.get("input_len"), r.get("output_len"))  # (a "custom" workload is any shape)
+        groups[(r.get("workload"), r.get("max_concurrency"), r.get("model"), shape)].append(r)
+    models = {key[2] for key in groups}
 
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
     colors = [f"C{i}" for i in range(10)]
-    for i, ((workload, conc), runs) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
+    for i, ((workload, conc, model, shape), runs) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
         runs = sorted(runs, key=lambda r: x_of(r["request_rate"]))
         xs = [x_of(r["request_rate"]) for r in runs]
-        suffix = f" ({workload}, concurrency {conc})" if len(groups) > 1 else ""
+        what = [str(workload)] + ([f"{shape[1]} -> {shape[2]} tokens"] if shape[1] is not None else [])
+        what += [f"concurrency {conc}"] + ([str(model)] if len(models) > 1 else [])
+        suffix = f" ({', '.join(what)})" if len(groups) > 1 else ""
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
             for stat, style, marker, own_color in (("median", "-", "o", "C0"), ("p99", "--", "^", "C3")):
                 ys = [float(r[key].get(stat, math.nan)) for r in runs]

@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.bench.common import add_workload_args, report, workload_from_args
+from pagedllm.bench.common import add_workload_args, percentile, report, workload_from_args
 from pagedllm.entrypoints.arg_types import positive_float, positive_float_or_inf, positive_int
 
 
@@ -92,9 +92,8 @@ async def _one(client, url: str, body: dict, headers: dict) -> _Result:
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return {"mean": 1e3 * statistics.mean(values), "median": 1e3 * statistics.median(values), "p99": 1e3 * p99}
+    return {"mean": 1e3 * statistics.mean(values), "median": 1e3 * statistics.median(values),
+            "p99": 1e3 * percentile(values, 99)}
 
 
 async def _served_model(client, base_url: str, headers: dict) -> str:
@@ -146,6 +145,9 @@ async def _run(args: argparse.Namespace) -> dict:
     ]  # fmt: skip
     return {
         "workload": w.name,
+        "num_prompts": w.num_prompts,
+        "input_len": w.input_len,
+        "output_len": w.output_len,
         "model": model,
         "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency,

@@ -83,6 +83,7 @@ def run_pagedllm(w: Workload, engine_kwargs: dict, sampling: dict | None = None)
     llm = LLM(**engine_kwargs)
     warm = prompts[:4]  # (W2 has one prompt)
     llm.generate(warm, [request_params(sampling, 4, i) for i in range(len(warm))], use_tqdm=False)
+    llm.reset_prefix_cache()  # the timed run's first prompts were the warm-up's: no free prefill
     before = llm.llm_engine.executor.collective_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, [request_params(sampling, w.output_len, i) for i in range(len(prompts))])
@@ -91,6 +92,7 @@ def run_pagedllm(w: Workload, engine_kwargs: dict, sampling: dict | None = None)
     parallel = parallel_stats(llm.llm_engine, before)
     llm.llm_engine.close()
     return {"engine": "pagedllm", "num_preemptions": llm.llm_engine.num_preemptions_total, **_rates(w, elapsed),
+            "enable_prefix_caching": llm.llm_engine.config.enable_prefix_caching,
             **({"parallel": parallel} if parallel else {})}  # fmt: skip
 
 
@@ -120,9 +122,11 @@ def run_pagedllm_dp(w: Workload, engine_kwargs: dict, sampling: dict) -> dict:
 
     from pagedllm.config import EngineConfig
     from pagedllm.data_parallel.client import DPAsyncLLM
+    from pagedllm.data_parallel.offline import reset_prefix_cache
 
     prompts = [{"prompt_token_ids": p} for p in w.prompts()]
-    llm = DPAsyncLLM(EngineConfig(**engine_kwargs), log_stats_interval=1e9)
+    config = EngineConfig(**engine_kwargs)
+    llm = DPAsyncLLM(config, log_stats_interval=1e9)
 
     async def generate(batch: list, max_tokens: int) -> list[int]:
         async def one(prompt: dict, params) -> int:
@@ -132,13 +136,15 @@ def run_pagedllm_dp(w: Workload, engine_kwargs: dict, sampling: dict) -> dict:
 
     try:
         asyncio.run(generate(prompts[:4], 4))
+        reset_prefix_cache(llm)  # (as run_pagedllm)
         start = time.perf_counter()
         counts = asyncio.run(generate(prompts, w.output_len))
         elapsed = time.perf_counter() - start
     finally:
         llm.shutdown()
     assert all(n == w.output_len for n in counts), "every request must give output_len tokens"
-    return {"engine": f"pagedllm-dp{llm.data_parallel_size}", **_rates(w, elapsed)}
+    return {"engine": f"pagedllm-dp{llm.data_parallel_size}", **_rates(w, elapsed),
+            "enable_prefix_caching": config.enable_prefix_caching}
 
 
 @dataclass(frozen=True)

@@ -174,3 +174,56 @@ def test_speculative_latency_results_render_one_bar_per_workload_and_method(monk
     labels = {label for _, label in drawn if label}
     assert labels == {"eagle, k=3", "medusa, k=3", "ngram, k=3", "ngram, k=3, temperature 0.7"}
     assert "no throughput results" in capsys.readouterr().out
+
+
+def _plotted_lines(monkeypatch) -> list[tuple[str, list[float]]]:
+    """(label, y values) of every line the plots draw from here on."""
+    import matplotlib.axes
+
+    drawn: list[tuple[str, list[float]]] = []
+    real_plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, xs, ys, *a, **k: drawn.append((k.get("label"), list(ys)))
+                        or real_plot(ax, xs, ys, *a, **k))  # fmt: skip
+    return drawn
+
+
+def test_unlike_runs_are_never_averaged_into_one_point(monkeypatch, tmp_path):
+    """Found by an adversarial review: throughput runs of another model, another DP size or with
+    sampling were averaged with the plain runs (a 135M model's 100 tok/s and an 8B's 10 drawn as
+    55), and serve runs of different shapes made one line."""
+
+    def throughput_run(model: str, n: int, value: float, **extra) -> dict:
+        return {"workload": "custom", "model": model, "num_prompts": n, "input_len": 8, "output_len": 4,
+                "dtype": "float32", "pagedllm": {"output_tokens_per_s": value}, **extra}  # fmt: skip
+
+    runs = [throughput_run("small", 16, 100.0), throughput_run("big", 16, 10.0), throughput_run("small", 64, 200.0),
+            throughput_run("small", 64, 400.0, data_parallel_size=2),
+            throughput_run("small", 64, 50.0, sampling={"temperature": 0.8})]  # fmt: skip
+
+    def serve_run(rate: float, input_len: int, ttft: float) -> dict:
+        stats = {"mean": ttft, "median": ttft, "p99": ttft}
+        return {"workload": "custom", "num_prompts": 8, "input_len": input_len, "output_len": 16, "model": "m",
+                "request_rate": rate, "max_concurrency": None, "successful_requests": 8, "ttft_ms": stats,
+                "tpot_ms": stats}  # fmt: skip
+
+    runs += [serve_run(1, 256, 100.0), serve_run(2, 256, 110.0), serve_run(1, 4000, 9000.0), serve_run(2, 4000, 9500.0)]
+    for i, r in enumerate(runs):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(r))
+    drawn = _plotted_lines(monkeypatch)
+    assert plots.main(["--results-dir", str(tmp_path), "--out-dir", str(tmp_path / "out")]) == 0
+    lines = {label: ys for label, ys in drawn}
+    assert lines["pagedllm (float32, 8 -> 4 tokens, small)"] == [100.0, 200.0]
+    assert lines["pagedllm (float32, 8 -> 4 tokens, big)"] == [10.0]
+    assert lines["pagedllm (float32, DP=2, 8 -> 4 tokens, small)"] == [400.0]
+    assert lines["pagedllm (float32, temperature 0.8, 8 -> 4 tokens, small)"] == [50.0]
+    assert lines["median (custom, 256 -> 16 tokens, concurrency None)"] == [100.0, 110.0]
+    assert lines["median (custom, 4000 -> 16 tokens, concurrency None)"] == [9000.0, 9500.0]
+
+
+def test_engine_labels_name_parallelism_and_sampling():
+    from pagedllm.bench.plots import _engine_label
+
+    r = {"dtype": "float32", "pagedllm": {"parallel": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}}}
+    assert _engine_label("pagedllm", r) == "pagedllm (float32, TP=2 PP=1)"
+    assert _engine_label("pagedllm", {**r, "pagedllm": {}, "data_parallel_size": 2, "sampling": {"top_p": 0.9}}) == \
+        "pagedllm (float32, DP=2, top_p 0.9)"

@@ -1,0 +1,111 @@
+"""What the bench tools report is what happened in the timed part (found by an adversarial review
+of the bench arithmetic): no prefill served from a cache the warm-up or an earlier phase filled,
+no warm-up drafts in the acceptance figures, numpy's percentiles, one request's hit rate."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from pagedllm.bench.common import percentile
+
+
+def _args(add_args, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.parametrize("values", [[0.1] * 63 + [10.0], [0.1] * 30 + [10.0] * 2, [3.0], [1.0, 2.0], list(range(17))])
+def test_percentiles_interpolate_as_numpy_does(values):
+    """A nearest rank gave p99 = 100 ms for 63 requests of 100 ms and one of 10 s (numpy: 3.76 s)."""
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def _hits_per_generate(monkeypatch) -> list[int]:
+    """The prefix-cache hits of each ``LLM.generate`` call from here on."""
+    from pagedllm import LLM
+
+    hits: list[int] = []
+    real = LLM.generate
+
+    def spy(self, *a, **k):
+        before = self.llm_engine.stats.prefix_hits_total
+        out = real(self, *a, **k)
+        hits.append(self.llm_engine.stats.prefix_hits_total - before)
+        return out
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    return hits
+
+
+def test_throughput_timed_run_prefills_what_the_warm_up_cached(tiny_llama_tok, monkeypatch):
+    """The warm-up ran the timed run's first four prompts: with the engine's default caching on,
+    those prompts' prefill was served from the cache (94% of it with four prompts)."""
+    from pagedllm.bench import throughput
+
+    hits = _hits_per_generate(monkeypatch)
+    args = _args(throughput.add_args, ["--num-prompts", "4", "--input-len", "64", "--output-len", "2"])
+    result = throughput.run(args, {"model": str(tiny_llama_tok), "num_kv_blocks": 128, "block_size": 16,
+                                   "log_stats_interval": 1e9})  # fmt: skip
+    assert result["pagedllm"]["enable_prefix_caching"] is True
+    assert len(hits) == 2 and hits[1] == 0, hits  # warm-up, timed run
+
+
+def test_lora_phases_each_start_from_a_cold_prefix_cache(tiny_llama_tok, monkeypatch):
+    """Every phase of ``bench lora`` runs the same prompts: a cache kept across them gave the later
+    phases (and repeats) their prefill for free."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.bench.lora import _timed
+
+    llm = LLM(str(tiny_llama_tok), num_kv_blocks=64, log_stats_interval=1e9)
+    hits = _hits_per_generate(monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(100, 164))}, {"prompt_token_ids": list(range(200, 264))}]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for _ in range(3):
+        _timed(llm, prompts, params, None)
+    assert hits == [0, 0, 0]
+
+
+def test_latency_acceptance_figures_leave_the_warm_up_out(tiny_llama_tok, monkeypatch):
+    """The engine's counters run from its start; the warm-up's drafts (here made certain by
+    adding some to the counters during it) are not part of what the run measured."""
+    from pagedllm.bench import latency
+    from pagedllm.engine.stats import SpecDecodeStats
+
+    totals = []  # the engine's own counters after each request
+    real_one = latency._one
+
+    def spy(engine, prompt, params, request_id):
+        out = real_one(engine, prompt, params, request_id)
+        if request_id == "warmup":
+            engine.stats.spec_total.add(SpecDecodeStats(5, 15, 7, [4, 2, 1]))
+        s = engine.stats.spec_total
+        totals.append((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens))
+        return out
+
+    monkeypatch.setattr(latency, "_one", spy)
+    args = _args(latency.add_args, ["--input-len", "16", "--output-len", "24", "--num-iters", "2", "--no-compare-plain"])
+    engine = {"model": str(tiny_llama_tok), "dtype": "float32", "num_kv_blocks": 64, "log_stats_interval": 1e9,
+              "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}  # fmt: skip
+    spec = latency.run(args, engine)["spec_decode"]
+    warm, end = totals[0], totals[-1]
+    timed = tuple(e - w for e, w in zip(end, warm))
+    assert timed[0] > 0, "the timed part drafted nothing: this test would not tell"
+    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == timed
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + timed[2] / timed[0])
+
+
+def test_prefix_cache_bench_reports_the_second_requests_own_hit_rate(tiny_llama_tok):
+    """It was the rate over the warm-up, the cold first request and the second: 48.5% where the
+    second request found 97% of its prompt."""
+    from pagedllm.bench import prefix_cache
+
+    args = _args(prefix_cache.add_args, ["--system-tokens", "256"])
+    result = prefix_cache.run(args, {"model": str(tiny_llama_tok), "num_kv_blocks": 128, "log_stats_interval": 1e9})
+    second = result["prompt_tokens"][1]
+    hits = round(result["prefix_cache_hit_rate"] * second)
+    assert hits % 16 == 0 and second - 64 < hits < second  # whole blocks of the shared system prompt
