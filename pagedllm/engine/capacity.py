@@ -513,6 +513,9 @@ def estimate(config: EngineConfig, context_len: int | None = None, native: bool 
         from pagedllm.distributed.sharding import check_supported
 
         check_supported(arch, config.tensor_parallel_size, config.pipeline_parallel_size)
+    from pagedllm.model.generation_config import read_generation_config
+
+    read_generation_config(config.generation_config, source.path)  # (a missing or bad file: the engine's refusal)
     from pagedllm.engine.startup import resolve_max_model_len  # (the engine's rule: context, RoPE tables)
 
     max_model_len = resolve_max_model_len(config, arch)

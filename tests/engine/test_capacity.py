@@ -120,6 +120,9 @@ def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
     # A split the engine refuses is refused here too (an adversarial session saw a report for it).
     assert main(["estimate", "--model", str(tiny_llama), "-tp", "3"]) == 2
     assert "tensor_parallel_size (3) must divide or be a multiple of the model's 2 KV heads" in capsys.readouterr().err
+    # ... and so is a --generation-config directory without the file (it printed a report, exit 0)
+    assert main(["estimate", "--model", str(tiny_llama), "--generation-config", str(tiny_llama / "nowhere")]) == 2
+    assert "no generation_config.json" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["config a list", "heads null", "huge header", "pool beyond memory"])
