@@ -434,7 +434,8 @@ def beam_params_from(params: SamplingParams) -> BeamSearchParams:
             raise ValueError(f"{name} is not supported with use_beam_search")
     if params.logprobs is not None or params.prompt_logprobs is not None:
         raise ValueError("logprobs is not supported with use_beam_search")
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1.0), ("min_tokens", 0),
+                          ("detokenize", True)):  # fmt: skip
         if getattr(params, name) != neutral:  # (the error's first word is the field the server reports)
             raise ValueError(f"{name} is not supported with use_beam_search")
     return BeamSearchParams(params.best_of or params.n, params.max_tokens, params.ignore_eos, 0.0, params.length_penalty,

@@ -98,6 +98,37 @@ def _regex_ok(pattern: str) -> bool:
         return False
 
 
+_HEX_ESCAPE = {"x": re.compile(r"[0-9a-fA-F]{2}"), "u": re.compile(r"\{[0-9a-fA-F]+\}|[0-9a-fA-F]{4}")}
+
+
+def control_character_in(pattern: str) -> str | None:
+    """The first part of a regex that stands for a control character (U+0000-U+001F: a raw one,
+    or an escape such as \\t, \\n, \\x09, \\u000a, \\cI), else None.
+
+    Inside a JSON string xgrammar matches a schema's ``pattern`` against the raw text, so such a
+    character would be written raw, which JSON forbids (an adversarial session saw a raw newline
+    in an output ending with "stop", and a tab, which the JSON rows of the mask ban, leave a row
+    with no token at all)."""
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if ord(c) < 0x20:
+            return repr(c)
+        if c == "\\" and i + 1 < len(pattern):
+            e = pattern[i + 1]
+            if e in "tnrfv0ae":
+                return pattern[i : i + 2]
+            if e == "c" and i + 2 < len(pattern) and pattern[i + 2].isalpha():
+                return pattern[i : i + 3]
+            if e in _HEX_ESCAPE and (m := _HEX_ESCAPE[e].match(pattern, i + 2)):
+                if int(m.group().strip("{}"), 16) < 0x20:
+                    return pattern[i : m.end()]
+            i += 2
+            continue
+        i += 1
+    return None
+
+
 def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
     """Where ``schema`` uses a keyword the grammar cannot enforce: ["#/properties/a: contains", ...]."""
     if not isinstance(schema, dict):
@@ -121,6 +152,13 @@ def unenforced_keywords(schema: Any, path: str = "#") -> list[str]:
         found.append(f"{path}: $ref {ref!r} (only references inside the schema)")
     if isinstance(schema.get("pattern"), str) and not _regex_ok(schema["pattern"]):
         found.append(f"{path}: pattern {schema['pattern']!r} (a regex feature the grammar lacks, e.g. lookaround)")
+    patterns = [schema["pattern"]] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += [p for p in schema["patternProperties"] if isinstance(p, str)]
+    for pattern in patterns:
+        if (control := control_character_in(pattern)) is not None:
+            found.append(f"{path}: pattern {pattern!r} (it can match the control character {control}, which the "
+                         f"grammar would write raw into a JSON string)")  # fmt: skip
     for key in _SUBSCHEMA:
         found += unenforced_keywords(schema.get(key), f"{path}/{key}")
     for key in _SUBSCHEMA_LISTS:

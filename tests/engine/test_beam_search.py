@@ -180,6 +180,11 @@ def test_use_beam_search_in_sampling_params(tiny):
     assert [o.token_ids for o in out.outputs] == [s.output_token_ids for s in beams.sequences[:2]]
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(use_beam_search=True, temperature=0.5)
+    # Found by an adversarial session: detokenize=False was neither honoured (the beams had text)
+    # nor refused, as the other fields a search cannot honour are.
+    with pytest.raises(ValueError, match="^detokenize is not supported with use_beam_search"):
+        llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(best_of=2, use_beam_search=True, temperature=0,
+                                                                    max_tokens=4, detokenize=False), use_tqdm=False)  # fmt: skip
 
 
 def test_a_search_that_cannot_fit_the_pool_is_refused(tiny_llama):

@@ -110,3 +110,31 @@ def test_enforced_uses_of_those_keywords_stay_accepted():
         parse(StructuredOutputsParams(json=schema))
     with pytest.raises(ValueError, match="only references inside the schema"):
         parse(StructuredOutputsParams(json={"$ref": "http://example.com/s.json"}))
+
+
+@pytest.mark.parametrize("pattern, value", [(r"^a\tb$", "a\tb"), (r"^a\nb$", "a\nb"), (r"^a\r\nb$", "a\r\nb"),
+                                            (r"^a\u000ab$", "a\nb"), (r"^[\t-\r]+$", "\n"), (r"^a\cIb$", "a\tb"),
+                                            ("^a\x01b$", None)])  # fmt: skip
+def test_a_pattern_that_writes_a_control_character_raw_is_refused(pattern, value):
+    """Found by an adversarial session: xgrammar matches a string's pattern against the JSON text,
+    so a pattern's newline came out raw (invalid JSON, finish_reason "stop") and a tab, which the
+    JSON rows of the mask ban, left no token to sample (HTTP 500)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    if value is not None:  # the grammar takes the raw character, and the text is not JSON
+        text = '{"s": "' + value + '"}'
+        assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), text)
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)
+    with pytest.raises(ValueError, match="structured_outputs.json is invalid: .*can match the control character"):
+        parse(StructuredOutputsParams(json=schema))
+    in_names = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
+    with pytest.raises(ValueError, match="can match the control character"):
+        parse(StructuredOutputsParams(json=in_names))
+
+
+def test_patterns_without_control_characters_stay_accepted():
+    for pattern in (r"^a\sb$", r"^[^,]+$", r"^.+$", r"^a\\tb$", r"^[ -~]*$", r"^\d{3}-\u00e9$", r"^\x41$"):
+        parse(StructuredOutputsParams(json={"type": "string", "pattern": pattern}))
