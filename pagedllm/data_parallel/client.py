@@ -76,7 +76,6 @@ class DPAsyncLLM(RequestStreams):
         self._streams: dict[str, tuple[int, _Stream, ProcessedRequest]] = {}  # request id -> replica, stream, input
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._counter = 0
         self._stopped = False
         self._death_reason: dict[int, str] = {}
         self._lora_counts: dict[int, tuple[dict[str, int], dict[str, int]]] = {}  # replica -> its latest
@@ -181,10 +180,24 @@ class DPAsyncLLM(RequestStreams):
                 self._forget(request_ids)
                 raise
         try:
-            await asyncio.wrap_future(accepted)
+            # (shielded: a cancelled wait must not cancel ``accepted``, whose answer settles the ids)
+            waiting = asyncio.wrap_future(accepted)
+            await asyncio.shield(waiting)
         except asyncio.CancelledError:  # the caller left while the replica was adding them
-            for rid in request_ids:
-                self.abort(rid)
+            waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read: never "not retrieved")
+            pairs = list(zip(request_ids, streams))
+
+            def settle(fut: concurrent.futures.Future) -> None:
+                # Added: abort them. Refused: nothing reached the replica (an abort would find
+                # nothing there, and no final output would ever drop the entries): forget them.
+                if fut.cancelled() or fut.exception() is not None:
+                    with self._lock:
+                        self._forget([rid for rid, s in pairs if rid in self._streams and self._streams[rid][1] is s])
+                else:
+                    for rid, s in pairs:
+                        self._abort_stream(rid, s)
+
+            accepted.add_done_callback(settle)
             raise
         except BaseException:  # refused: nothing was added
             with self._lock:
@@ -230,9 +243,12 @@ class DPAsyncLLM(RequestStreams):
             f.result(timeout=300)
 
     def abort(self, request_id: str) -> None:
+        self._abort_stream(request_id, None)
+
+    def _abort_stream(self, request_id: str, stream: _Stream | None) -> None:
         with self._lock:
             entry = self._streams.get(request_id)
-            if entry is None or self.dead is not None:
+            if entry is None or self.dead is not None or (stream is not None and entry[1] is not stream):
                 return
             self.replicas[entry[0]].send(("abort", request_id))
 

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -62,7 +63,7 @@ class RequestStreams:
     """What every async front of the engine shares (this in-process one, data parallel's):
     a request's delta outputs as an async iterator, aborted when its consumer goes away;
     request ids; work off the event loop; the liveness check. Subclasses provide
-    ``add_requests`` and ``abort``, and set ``_lock``, ``_counter``, ``_workers``, ``dead``,
+    ``add_requests``, ``abort`` and ``_abort_stream``, and set ``_lock``, ``_workers``, ``dead``,
     ``_stopped`` and ``request_hooks``."""
 
     def _run_request_hooks(self, request_ids: list[str], processed: list[ProcessedRequest]) -> None:
@@ -75,14 +76,26 @@ class RequestStreams:
                     logger.exception("request hook %r failed", hook)
 
     def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._counter += 1
-            return f"{prefix}-{self._counter}"
+        """A fresh id (random, as vLLM's: a counter's "req-1" could be an id a caller chose)."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run CPU-heavy request work (chat templates, tokenizing) off the loop and the engine."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, lambda: fn(*args, **kwargs))
+        try:
+            return await loop.run_in_executor(self._workers, lambda: fn(*args, **kwargs))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stopped and task is not None and not task.cancelling():
+                # shutdown() cancelled the queued work, not the caller: what it gets is the engine's end
+                raise EngineDeadError("the engine is shut down") from None
+            raise
+
+    def _abort_stream(self, request_id: str, stream: _Stream) -> None:
+        """Abort ``request_id`` only while it is still the request behind ``stream``: a stream
+        left behind (or an add refused as a duplicate) must not abort a later request that
+        holds the same id."""
+        raise NotImplementedError
 
     def healthy(self) -> bool:
         """Whether the engine can serve: not dead, not shut down, and whatever runs its steps
@@ -102,7 +115,8 @@ class RequestStreams:
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Queue one request; once the engine accepted it, return its stream of delta outputs."""
-        (stream,) = await self.add_requests([prompt], sampling_params, [request_id or self.new_request_id()], priority)
+        rid = request_id if request_id is not None else self.new_request_id()
+        (stream,) = await self.add_requests([prompt], sampling_params, [rid], priority)
         return stream
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -119,7 +133,7 @@ class RequestStreams:
                     return
         finally:
             if not finished:  # the consumer went away (client disconnect): free the blocks now
-                self.abort(request_id)
+                self._abort_stream(request_id, stream)
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None
@@ -151,7 +165,6 @@ class AsyncLLM(RequestStreams):
         self._stopped = False
         self.dead: BaseException | None = None  # the cause, once the engine is dead
         self.on_dead: list[Callable[[BaseException], None]] = []
-        self._counter = 0
         self._lock = threading.Lock()  # orders commands against the engine's death
         # Callbacks run in the engine thread for every output (e.g. per-token metrics).
         self.output_hooks: list[Any] = []
@@ -205,8 +218,8 @@ class AsyncLLM(RequestStreams):
         try:
             await accepted
         except asyncio.CancelledError:  # the caller left while the engine was adding them
-            for rid in request_ids:
-                self.abort(rid)
+            for rid, stream in zip(request_ids, streams):
+                self._abort_stream(rid, stream)
             raise
         self._run_request_hooks(request_ids, processed)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
@@ -252,7 +265,10 @@ class AsyncLLM(RequestStreams):
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
-        self._command(("abort", request_id))
+        self._command(("abort", request_id, None))
+
+    def _abort_stream(self, request_id: str, stream: _Stream) -> None:
+        self._command(("abort", request_id, stream))
 
     def abort_all(self) -> None:
         """End every request now (shutdown): each stream gets a final 'abort' output."""
@@ -351,8 +367,10 @@ class AsyncLLM(RequestStreams):
                 return
             reply.put_call(_set_result, done, result)
         elif kind == "abort":
-            if cmd[1] in self._streams:
-                self._deliver(self.engine.abort_request(cmd[1]))
+            _, request_id, stream = cmd
+            held = self._streams.get(request_id)
+            if held is not None and (stream is None or held is stream):
+                self._deliver(self.engine.abort_request(request_id))
         elif kind == "abort_all":
             for request_id in list(self._streams):
                 self._deliver(self.engine.abort_request(request_id))

@@ -1,0 +1,109 @@
+"""AsyncLLM used directly from Python: a stream's clean-up touches only its own request, and a
+shutdown ends every caller with EngineDeadError (each found by an adversarial session)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.errors import EngineDeadError
+
+LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+
+@pytest.fixture()
+def llm(tiny_llama):
+    engine = AsyncLLM(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), log_stats_interval=1e9)
+    yield engine
+    engine.shutdown()
+
+
+async def _finish_reason(stream) -> str:
+    reason = None
+    async for out in stream:
+        reason = out.outputs[0].finish_reason
+    return reason
+
+
+async def _until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_stream_left_behind_does_not_abort_a_later_request_with_its_id(llm):
+    """The first "x" finished in the engine, its last outputs unread; the second "x" was then
+    accepted. Closing the first stream aborted the second (by its id)."""
+
+    async def main() -> str:
+        first = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=5, ignore_eos=True), request_id="x")
+        await first.__anext__()
+        await _until(lambda: llm.num_in_flight() == 0)  # finished in the engine, unread here
+        second = asyncio.ensure_future(_finish_reason(llm.generate({"prompt_token_ids": [8, 9]}, LONG, request_id="x")))
+        await _until(lambda: llm.num_in_flight() == 1)
+        await first.aclose()
+        return await second
+
+    assert asyncio.run(main()) == "length"
+
+
+def test_cancelling_a_refused_duplicate_leaves_the_original_running(llm, monkeypatch):
+    """A second "X" was cancelled while the engine was refusing it as a duplicate: its clean-up
+    aborted the first "X"."""
+    real = AsyncLLM._add_all
+
+    def slow_add(self, items):
+        if items[0][0] == "X" and "X" in self._streams:
+            time.sleep(0.3)  # (the duplicate's caller gives up meanwhile)
+        return real(self, items)
+
+    monkeypatch.setattr(AsyncLLM, "_add_all", slow_add)
+
+    async def main() -> str:
+        original = llm.generate({"prompt_token_ids": [5, 6, 7]}, LONG, request_id="X")
+        await original.__anext__()
+        with pytest.raises((asyncio.TimeoutError, ValueError)):
+            await asyncio.wait_for(_finish_reason(llm.generate({"prompt_token_ids": [9]}, LONG, request_id="X")), 0.1)
+        return await _finish_reason(original)
+
+    assert asyncio.run(main()) == "length"
+
+
+def test_automatic_ids_never_collide_with_a_callers_own(llm):
+    async def main() -> list[str]:
+        mine = await llm.add_request({"prompt_token_ids": [5, 6]}, LONG, request_id="req-1")
+        auto = await _finish_reason(llm.generate({"prompt_token_ids": [7]}, SamplingParams(max_tokens=3, ignore_eos=True)))
+        return [auto, await _finish_reason(mine)]
+
+    assert asyncio.run(main()) == ["length", "length"]
+
+
+def test_shutdown_ends_every_caller_with_engine_dead_not_a_stray_cancel(tiny_llama):
+    """Requests still in the input workers' queue had their futures cancelled by shutdown: the
+    callers got CancelledError though nobody cancelled them."""
+    llm = AsyncLLM(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), log_stats_interval=1e9)
+
+    async def one(i: int) -> str:
+        try:
+            async for _ in llm.generate({"prompt_token_ids": [5 + i] * 30}, SamplingParams(max_tokens=5)):
+                pass
+            return "finished"
+        except asyncio.CancelledError:
+            return "CancelledError"
+        except EngineDeadError:
+            return "EngineDeadError"
+
+    async def main() -> list[str]:
+        tasks = [asyncio.ensure_future(one(i)) for i in range(60)]
+        await asyncio.sleep(0)
+        llm.shutdown()
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert "CancelledError" not in results and "EngineDeadError" in results, results
