@@ -172,6 +172,10 @@ class DPAsyncLLM(RequestStreams):
                 self._streams[rid] = (rank, stream, req)
             self.balancer.loads[rank].num_requests += len(request_ids)
             call_id, accepted = self._new_call()
+            # The hooks run on the reader thread as the replica's "added" is read, before any
+            # output of these requests (a done callback runs inside set_result).
+            accepted.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                       or self._run_request_hooks(request_ids, processed))  # fmt: skip
             try:
                 items = list(zip(request_ids, processed))
                 self.replicas[rank].send(("add", call_id, items, self.max_waiting_requests, output_kind))
@@ -203,7 +207,6 @@ class DPAsyncLLM(RequestStreams):
             with self._lock:
                 self._forget(request_ids)
             raise
-        self._run_request_hooks(request_ids, processed)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
 
     def _forget(self, request_ids: list[str]) -> None:

@@ -67,7 +67,9 @@ class RequestStreams:
     ``_stopped`` and ``request_hooks``."""
 
     def _run_request_hooks(self, request_ids: list[str], processed: list[ProcessedRequest]) -> None:
-        """``hook(request_id, ProcessedRequest)`` of ``request_hooks`` for requests just accepted."""
+        """``hook(request_id, ProcessedRequest)`` of ``request_hooks`` for requests just accepted,
+        on the thread that then delivers their outputs and before any of them: a request may
+        finish before its caller's task resumes (a test's metrics missed one's parameters)."""
         for hook in self.request_hooks:
             for rid, p in zip(request_ids, processed):
                 try:
@@ -221,7 +223,6 @@ class AsyncLLM(RequestStreams):
             for rid, stream in zip(request_ids, streams):
                 self._abort_stream(rid, stream)
             raise
-        self._run_request_hooks(request_ids, processed)
         return [self._outputs(rid, stream) for rid, stream in zip(request_ids, streams)]
 
     async def call_in_engine(self, fn: Callable[[LLMEngine], Any], replica: int = 0) -> Any:
@@ -356,6 +357,7 @@ class AsyncLLM(RequestStreams):
             except Exception as e:
                 reply.put_call(_set_exception, accepted, e)
                 return
+            self._run_request_hooks([rid for rid, _, _ in items], [p for _, p, _ in items])
             reply.put_call(_set_result, accepted, time.monotonic())
         elif kind == "call":
             _, fn, done = cmd

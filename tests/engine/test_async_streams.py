@@ -107,3 +107,29 @@ def test_shutdown_ends_every_caller_with_engine_dead_not_a_stray_cancel(tiny_lla
 
     results = asyncio.run(main())
     assert "CancelledError" not in results and "EngineDeadError" in results, results
+
+
+def test_request_hooks_run_before_any_output_of_their_request(llm):
+    """The metrics' request hook (a request's parameters) ran when the caller's task resumed; a
+    one-token request could finish before that, and its parameters were never observed (a CI
+    run saw request_params_n_count 9 of 10). A busy event loop makes that certain here."""
+    events: list[tuple[str, str]] = []
+    llm.request_hooks.append(lambda rid, req: events.append(("request", rid)))
+    llm.output_hooks.append(lambda out: events.append(("output", out.request_id)))
+
+    async def main() -> None:
+        async def hog() -> None:  # another task holding the loop: the caller resumes late
+            while True:
+                time.sleep(0.05)
+                await asyncio.sleep(0)
+
+        busy = asyncio.ensure_future(hog())
+        ids = [f"one-token-{i}" for i in range(5)]
+        for rid in ids:
+            await _finish_reason(llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1), request_id=rid))
+        busy.cancel()
+
+    asyncio.run(main())
+    for rid in (f"one-token-{i}" for i in range(5)):
+        mine = [kind for kind, r in events if r == rid]
+        assert mine and mine[0] == "request", (rid, mine)
