@@ -245,9 +245,6 @@ class DPAsyncLLM(RequestStreams):
         for f in futures:
             f.result(timeout=300)
 
-    def abort(self, request_id: str) -> None:
-        self._abort_stream(request_id, None)
-
     def _abort_stream(self, request_id: str, stream: _Stream | None) -> None:
         with self._lock:
             entry = self._streams.get(request_id)

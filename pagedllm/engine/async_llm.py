@@ -63,7 +63,7 @@ class RequestStreams:
     """What every async front of the engine shares (this in-process one, data parallel's):
     a request's delta outputs as an async iterator, aborted when its consumer goes away;
     request ids; work off the event loop; the liveness check. Subclasses provide
-    ``add_requests``, ``abort`` and ``_abort_stream``, and set ``_lock``, ``_workers``, ``dead``,
+    ``add_requests`` and ``_abort_stream``, and set ``_lock``, ``_workers``, ``dead``,
     ``_stopped`` and ``request_hooks``."""
 
     def _run_request_hooks(self, request_ids: list[str], processed: list[ProcessedRequest]) -> None:
@@ -93,10 +93,14 @@ class RequestStreams:
                 raise EngineDeadError("the engine is shut down") from None
             raise
 
-    def _abort_stream(self, request_id: str, stream: _Stream) -> None:
-        """Abort ``request_id`` only while it is still the request behind ``stream``: a stream
-        left behind (or an add refused as a duplicate) must not abort a later request that
-        holds the same id."""
+    def abort(self, request_id: str) -> None:
+        """End ``request_id`` now, whichever stream holds it (its stream gets a final 'abort')."""
+        self._abort_stream(request_id, None)
+
+    def _abort_stream(self, request_id: str, stream: _Stream | None) -> None:
+        """Abort ``request_id`` only while it is still the request behind ``stream`` (None: any):
+        a stream left behind (or an add refused as a duplicate) must not abort a later request
+        that holds the same id."""
         raise NotImplementedError
 
     def healthy(self) -> bool:
@@ -265,10 +269,7 @@ class AsyncLLM(RequestStreams):
             self._commands.put(cmd)
         self._wakeup.set()
 
-    def abort(self, request_id: str) -> None:
-        self._command(("abort", request_id, None))
-
-    def _abort_stream(self, request_id: str, stream: _Stream) -> None:
+    def _abort_stream(self, request_id: str, stream: _Stream | None) -> None:
         self._command(("abort", request_id, stream))
 
     def abort_all(self) -> None:
