@@ -43,6 +43,13 @@ def dequantize(data: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(rows, in_features))
 
 
+def _check_rows(data: torch.Tensor, qtype: str, in_features: int) -> None:
+    """The native kernels trust ``data``'s row width: a wrong one would read another layout."""
+    if data.dim() != 2 or data.shape[1] != row_bytes(qtype, in_features):
+        raise ValueError(f"{qtype} rows of {in_features} weights take {row_bytes(qtype, in_features)} bytes; "
+                         f"the blocks are shaped {tuple(data.shape)}")  # fmt: skip
+
+
 def _native_type(qtype: str) -> int | None:
     lib = ops.load_kernels() if ops.native_available() else None  # (tests swap ops.load_kernels)
     if lib is None or qtype not in GGUF_TYPES:
@@ -63,6 +70,7 @@ def linear(
     if type_id is None:
         y = x.float() @ dequantize(data, qtype, K).to(x.device).T
         return y if out is None else out.copy_(y)
+    _check_rows(data, qtype, K)
     x32 = x.to(torch.float32).contiguous()
     y = torch.empty(x32.shape[0], out_features, dtype=torch.float32) if out is None else out
     assert y.dtype == torch.float32 and y.shape == (x32.shape[0], out_features) and y.stride(1) == 1
@@ -83,8 +91,11 @@ def get_rows(data: torch.Tensor, qtype: str, ids: torch.Tensor, in_features: int
         return dequantize(data[flat.cpu()], qtype, in_features).reshape(*ids.shape, in_features)
     if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= data.shape[0]):
         raise IndexError(f"row ids outside [0, {data.shape[0]})")
+    _check_rows(data, qtype, in_features)
     out = torch.empty(len(flat), in_features, dtype=torch.float32)
-    ops.load_kernels().gguf_get_rows_f32(
+    status = ops.load_kernels().gguf_get_rows_f32(
         out.data_ptr(), data.data_ptr(), type_id, flat.data_ptr(), len(flat), in_features, torch.get_num_threads()
     )
+    if status != 0:
+        raise ValueError(f"gguf_get_rows_f32 refused a {qtype} tensor with {in_features} weights per row")
     return out.reshape(*ids.shape, in_features)

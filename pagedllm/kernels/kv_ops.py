@@ -37,12 +37,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     """(values of ``dtype``, fp32 scales of x.shape[:-1]): one scale per row of the last axis.
 
     The twin of ``write_kv_i8`` / ``write_kv_fp8``, bit for bit: the same fp32 division and the
-    same rounding (half to even), and a zero row stores zeros with scale 0.
+    same rounding (half to even). A zero row stores zeros with scale 0; a row holding a NaN or an
+    inf stores zeros with a NaN / inf scale, so it reads back not finite, as it was.
     """
     qmax = QMAX[dtype]
     x = x.float()
     scale = x.abs().amax(dim=-1) / qmax
-    y = torch.where(scale[..., None] > 0, x / scale[..., None], torch.zeros((), dtype=torch.float32))
+    scaled = (scale > 0) & torch.isfinite(scale)
+    y = torch.where(scaled[..., None], x / scale[..., None], torch.zeros((), dtype=torch.float32))
     y = y.clamp(-qmax, qmax)
     data = y.round().to(torch.int8) if dtype == torch.int8 else y.to(dtype)
     return data, scale
@@ -61,11 +63,13 @@ def write_kv_quantized_reference(
     key_scale: torch.Tensor, value_scale: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:  # fmt: skip
     """Quantise each token's K/V ([T, Hkv, D]) into its slot of an int8 / fp8 cache and its scales."""
+    block, offset = slot_mapping // key_cache.shape[1], slot_mapping % key_cache.shape[1]
     for x, cache, scales in ((k, key_cache, key_scale), (v, value_cache, value_scale)):
         data, scale = quantize(x, cache.dtype)
-        # index_copy_ has no fp8 kernel on CPU: copy the bytes.
-        cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, data.view(torch.uint8))
-        scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, scale)
+        # Indexed by (block, offset), so views of any layout take it; fp8 has no index kernels
+        # on CPU: the bytes are copied.
+        cache.view(torch.uint8)[block, offset] = data.view(torch.uint8)
+        scales[block, offset] = scale
 
 
 def _native_lib():
@@ -82,7 +86,8 @@ def write_kv_quantized(
     lib = _native_lib()
     T, Hkv, D = k.shape
     rows_ok = (T == 1 or k.stride(0) == v.stride(0)) and k.stride()[1:] == v.stride()[1:] == (D, 1)
-    if lib is None or not (rows_ok and k.dtype == v.dtype == torch.float32 and k.is_cpu and key_cache.is_contiguous()):
+    dense = all(t.is_contiguous() for t in (key_cache, value_cache, key_scale, value_scale))  # the kernel's strides are the shape's
+    if lib is None or not (rows_ok and dense and k.dtype == v.dtype == torch.float32 and k.is_cpu):
         write_kv_quantized_reference(k, v, key_cache, value_cache, key_scale, value_scale, slot_mapping)
         return
     fn = lib.write_kv_i8 if key_cache.dtype == torch.int8 else lib.write_kv_fp8
@@ -123,6 +128,10 @@ def paged_attention_kv(
     """
     lib = load_kernels()
     assert lib is not None and q.is_cpu and key_cache.dtype == value_cache.dtype in NATIVE_KV_DTYPES
+    if not all(t is None or t.is_contiguous() for t in (key_cache, value_cache, key_scale, value_scale)):
+        # The kernel's strides are the shape's: a view of another layout takes the twin.
+        return paged_attention_kv_reference(q, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens,
+                                            query_start_loc, scale, window)  # fmt: skip
     args = step_cache.get("native_kv") if step_cache is not None else None
     if args is None:  # once per step, shared by all layers
         tables, seq_lens, qsl = block_tables.contiguous(), seq_lens.contiguous(), query_start_loc.contiguous()

@@ -88,7 +88,8 @@ def paged_attention(
     (``reference.paged_attention``) runs where the kernels cannot.
     """
     lib = load_kernels()
-    if lib is None or not (q.is_cpu and key_cache.is_cpu) or key_cache.dtype not in (_F32, torch.bfloat16):
+    native = lib is not None and q.is_cpu and key_cache.is_cpu and key_cache.dtype in (_F32, torch.bfloat16)
+    if not (native and key_cache.is_contiguous() and value_cache.is_contiguous()):  # the kernel's strides are the shape's
         return reference.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window)
     assert key_cache.dtype == value_cache.dtype
     kernel = {_F32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}[key_cache.dtype]

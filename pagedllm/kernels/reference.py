@@ -217,12 +217,14 @@ def quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, 
     """x [M, K] fp32 -> (q [M, K], d [M, K/32] fp32, s [M, K/32] int32): per 32-wide block,
     q = round_half_even(x * (L / amax)), d = amax / L, s = the sum of q, with L = 127 (bits 8:
     q int8) or 32258 (bits 16, the wide mode: q int16). The kernel runs the same fp32
-    operations, so its quants are bit-identical to these."""
+    operations, so its quants are bit-identical to these. A block holding a NaN or an inf gets
+    zero quants and sum under a NaN / inf scale: its products are not finite, as x's were."""
     levels = ACTIVATION_LEVELS[bits]
-    xb = x.float().reshape(x.shape[0], -1, QK)
+    xb = x.float().reshape(x.shape[0], x.shape[1] // QK, QK)  # (-1 cannot be inferred for 0 rows)
     amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, torch.tensor(float(levels)) / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv[..., None]).to(torch.int32)
+    finite = torch.isfinite(amax)
+    inv = torch.where((amax > 0) & finite, torch.tensor(float(levels)) / amax, torch.zeros_like(amax))
+    q = torch.where(finite[..., None], torch.round(xb * inv[..., None]), 0.0).to(torch.int32)
     qtype = torch.int8 if bits == 8 else torch.int16
     return q.to(qtype).reshape(x.shape), amax / float(levels), q.sum(-1, dtype=torch.int32)
 
@@ -334,6 +336,6 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, qtype: str, out_features:
     over blocks."""
     k = x.shape[-1]
     q, d, _ = quantize_activations(x.reshape(-1, k), bits)
-    xd = (q.double().reshape(q.shape[0], -1, QK) * d.double()[..., None]).reshape(q.shape)
+    xd = (q.double().reshape(q.shape[0], k // QK, QK) * d.double()[..., None]).reshape(q.shape)
     w = dequantize_fields(int8_panel_fields(panels, qtype, out_features, k), qtype)
     return (xd @ w.T).float().reshape(*x.shape[:-1], out_features)

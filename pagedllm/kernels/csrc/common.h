@@ -12,6 +12,19 @@
 #include <cstdio>
 #include <cstdlib>
 
+// max |x[i]| over n values, NaN if any x[i] is NaN: std::max alone would drop it, and a row
+// holding a NaN must not quantise to finite numbers (its twins in torch give NaN).
+inline float absmax_keep_nan(const float* x, int64_t n) {
+    float m = 0.f;
+    bool nan = false;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = std::fabs(x[i]);
+        nan |= a != a;
+        m = std::max(m, a);
+    }
+    return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
 // Software prefetches for the attention loops: cache lines `n` rows of `row_bytes` each,
 // `stride_bytes` apart, into L1 (PREFETCH_L1: prefetcht0) or L2 (PREFETCH_L2: prefetcht1). As
 // inline asm: GCC 12 deleted every __builtin_prefetch / _mm_prefetch of those loops at -O1 and
@@ -163,9 +176,10 @@ inline __m256 hsum8(const __m256 acc[8]) {
 }
 
 // exp for 8 lanes: 2^n * p(r) with x = n*ln2 + r, |r| <= ln2/2, p of degree 6 (rel. error ~2e-7).
-// Below -87.3 the result is 0 (softmax inputs are scores - max <= 0).
+// Below -87.3 the result is 0 (softmax inputs are scores - max <= 0); NaN stays NaN (maxps
+// returns its second operand when one is NaN: x goes second).
 inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);

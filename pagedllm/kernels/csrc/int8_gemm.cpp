@@ -117,6 +117,16 @@ struct QuantX {
 
 inline float dx_times_sx(const QuantX& xq, int64_t m, int64_t b) { return xq.d[m * xq.nb + b] * float(xq.s[m * xq.nb + b]); }
 
+// A block holding a NaN or an inf: zero quants and sum, and the scale NaN / inf, so the block's
+// products come out not finite, as the twin's (quants of NaN would be INT_MIN, saturated to a
+// finite -128).
+inline void nonfinite_block(int8_t* qb, int8_t* q2b, float* d, int32_t* s, const float* xb, float levels) {
+    std::memset(qb, 0, QK);
+    if (q2b != nullptr) std::memset(q2b, 0, QK);
+    *s = 0;
+    *d = absmax_keep_nan(xb, QK) / levels;
+}
+
 // One row's blocks: q = round_half_even(x * (127 / amax)), d = amax / 127. The same fp32
 // operations as reference.quantize_activations, so the quants are bit-identical to it.
 void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
@@ -126,8 +136,17 @@ void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
         float amax = 0.f;
 #ifdef PAGEDLLM_AVX2
         const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        __m256 mx = _mm256_setzero_ps();
-        for (int c = 0; c < 4; c++) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absmask));
+        const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+        __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absmask);
+            mx = _mm256_max_ps(mx, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or inf
+        }
+        if (_mm256_movemask_ps(bad)) {
+            nonfinite_block(qb, nullptr, d + b, s + b, xb, 127.f);
+            continue;
+        }
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
@@ -146,7 +165,11 @@ void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
         s[b] = _mm_cvtsi128_si32(s4);
 #else
-        for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
+        amax = absmax_keep_nan(xb, QK);
+        if (!std::isfinite(amax)) {
+            nonfinite_block(qb, nullptr, d + b, s + b, xb, 127.f);
+            continue;
+        }
         const float id = amax > 0.f ? 127.f / amax : 0.f;
         int32_t sum = 0;
         for (int i = 0; i < QK; i++) {
@@ -168,8 +191,11 @@ constexpr float WIDE_LEVELS = 32258.f;  // 254 * 127
 void quantize_row_wide(int8_t* q1, int8_t* q2, float* d, int32_t* s, const float* x, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float* xb = x + b * QK;
-        float amax = 0.f;
-        for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
+        const float amax = absmax_keep_nan(xb, QK);
+        if (!std::isfinite(amax)) {
+            nonfinite_block(q1 + b * QK, q2 + b * QK, d + b, s + b, xb, WIDE_LEVELS);
+            continue;
+        }
         const float id = amax > 0.f ? WIDE_LEVELS / amax : 0.f;
         int32_t sum = 0;
         int i = 0;

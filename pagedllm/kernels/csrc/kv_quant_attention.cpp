@@ -332,12 +332,10 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
         buf.q8.resize(G * D);
         for (int g = 0; g < G; g++) {
             const float* x = buf.qs.data() + g * D;
-            float amax = 0.f;
-            for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(x[i]));
-            const float s = amax / 127.f;
+            const float s = absmax_keep_nan(x, D) / 127.f;  // NaN or inf: zeros, and every score is not finite
             buf.q8_scale[g] = s;
             for (int64_t i = 0; i < D; i++)
-                buf.q8[g * D + i] = s > 0.f ? int8_t(std::nearbyint(std::min(127.f, std::max(-127.f, x[i] / s)))) : 0;
+                buf.q8[g * D + i] = s > 0.f && std::isfinite(s) ? int8_t(std::nearbyint(std::min(127.f, std::max(-127.f, x[i] / s)))) : 0;
         }
     }
     // Memory latency, not arithmetic, bounds this loop (the blocks are scattered, so hardware
@@ -533,11 +531,11 @@ void write_kv_quant(const float* k, const float* v, int64_t row_stride, T* key_c
         const float* x = (is_v ? v : k) + t * row_stride + h * D;
         const int64_t slot = slot_mapping[t];
         T* dst = (is_v ? value_cache : key_cache) + (slot * Hkv + h) * D;
-        float amax = 0.f;
-        for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(x[i]));
-        const float s = amax / qmax;
+        // A row holding a NaN or an inf stores zeros under a NaN / inf scale: it reads back not finite.
+        const float s = absmax_keep_nan(x, D) / qmax;
         (is_v ? value_scales : key_scales)[slot * Hkv + h] = s;
-        for (int64_t i = 0; i < D; i++) dst[i] = s > 0.f ? encode(x[i] / s) : encode(0.f);
+        const bool scaled = s > 0.f && std::isfinite(s);
+        for (int64_t i = 0; i < D; i++) dst[i] = scaled ? encode(x[i] / s) : encode(0.f);
     }
 }
 
