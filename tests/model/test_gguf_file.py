@@ -86,3 +86,17 @@ def test_bad_files_are_clear_errors(tmp_path):
         bad.write_bytes(content)
         with pytest.raises(ValueError, match="could not read GGUF file"):
             _open(bad)
+
+
+def test_a_header_cut_inside_the_vocabulary_is_a_clear_error(tmp_path):
+    """The string arrays (vocabulary, merges) are read by their own loop: a cut anywhere in them,
+    even inside a length field, says "truncated"."""
+    source = resolve_model(None).path
+    head = open(source, "rb").read(2_000_000)  # the header holds ~49k tokens and ~48k merges
+    full = GGUFFile(source)
+    assert len(full.fields["tokenizer.ggml.tokens"]) == 49152
+    for cut in (300_000, 300_003, 1_000_001, 1_500_000):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(head[:cut])
+        with pytest.raises(ValueError, match="truncated GGUF header"):
+            GGUFFile(path)
