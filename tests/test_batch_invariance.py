@@ -33,10 +33,11 @@ OTHERS = [
 MAX_TOKENS = 12
 
 
-def _params(sampling: str) -> SamplingParams:
+def _params(sampling: str, prompt_logprobs: bool = True) -> SamplingParams:
+    p = 5 if prompt_logprobs else None
     if sampling == "greedy":
-        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=20, prompt_logprobs=5)
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1234, logprobs=20, prompt_logprobs=5)
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=20, prompt_logprobs=p)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1234, logprobs=20, prompt_logprobs=p)
 
 
 def _record(output) -> tuple[list[int], torch.Tensor]:
@@ -51,15 +52,21 @@ def _record(output) -> tuple[list[int], torch.Tensor]:
     return list(comp.token_ids), torch.tensor(values, dtype=torch.float32)
 
 
-def _run(llm: LLM, sampling: str, batch: int) -> tuple[list[int], torch.Tensor]:
+def _run(llm: LLM, sampling: str, batch: int, prompt_logprobs: bool = True) -> tuple[list[int], torch.Tensor]:
     """The target prompt with `batch` - 1 other requests (mixed lengths and max_tokens) around it."""
+    tokens, values, _ = _run_counting_hits(llm, sampling, batch, prompt_logprobs)
+    return tokens, values
+
+
+def _run_counting_hits(llm: LLM, sampling: str, batch: int, prompt_logprobs: bool) -> tuple[list[int], torch.Tensor, int]:
+    """``_run``, and how many of the target's prompt tokens came from the prefix cache."""
     others = [OTHERS[i % len(OTHERS)] + f" ({i})" for i in range(batch - 1)]
     prompts = others[: len(others) // 2] + [PROMPT] + others[len(others) // 2 :]
     params = [SamplingParams(max_tokens=1 + (i * 7) % 20, temperature=0.0) for i in range(len(prompts))]
     target = len(others) // 2
-    params[target] = _params(sampling)
+    params[target] = _params(sampling, prompt_logprobs)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return _record(outs[target])
+    return (*_record(outs[target]), outs[target].num_cached_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +92,17 @@ def test_logprobs_do_not_depend_on_the_batch_chunking_or_cache(engines, sampling
         tokens, values = _run(llm, sampling, batch=b)
         assert tokens == base_tokens, name
         assert torch.equal(values, base), f"{name}: max difference {(values - base).abs().max().item():.3g}"
-    cached = engines(64, prefix_caching=True)
+    _check_cold_and_warm_cache(engines(2048), engines(64, prefix_caching=True), sampling)
+
+
+def _check_cold_and_warm_cache(plain: LLM, cached: LLM, sampling: str) -> None:
+    """Without prompt logprobs (a request asking for them computes every prompt position, so
+    it never reads the cache): cold, then warm, against the plain engine alone."""
+    base_tokens, base, _ = _run_counting_hits(plain, sampling, 1, prompt_logprobs=False)
+    cached.reset_prefix_cache()
     for run in ("cold cache", "warm cache"):
-        tokens, values = _run(cached, sampling, batch=3)
+        tokens, values, hits = _run_counting_hits(cached, sampling, 3, prompt_logprobs=False)
+        assert (hits > 0) == (run == "warm cache"), f"{run}: {hits} prompt tokens from the cache"
         assert tokens == base_tokens, run
         assert torch.equal(values, base), f"{run}: max difference {(values - base).abs().max().item():.3g}"
 
@@ -97,16 +112,13 @@ def test_the_fast_mode_is_batch_invariant_too():
     their own scales and its K/V rounded alone, so the property holds in the fast mode as well
     (its kernels run through the same one-call stack)."""
     kw = dict(max_num_seqs=64, activation_dtype="int8", kv_cache_dtype="float16")
-    whole, chunked = LLM(max_num_batched_tokens=2048, **kw), LLM(max_num_batched_tokens=16, **kw)
+    whole = LLM(max_num_batched_tokens=2048, enable_prefix_caching=False, **kw)
+    chunked = LLM(max_num_batched_tokens=16, enable_prefix_caching=False, **kw)
     base_tokens, base = _run(whole, "greedy", batch=1)
     assert len(base_tokens) == MAX_TOKENS and base.numel() > MAX_TOKENS * 20
     for name, (llm, b) in {"batch of 17": (whole, 17), "chunked at 16": (chunked, 9)}.items():
         tokens, values = _run(llm, "greedy", batch=b)
         assert tokens == base_tokens, name
         assert torch.equal(values, base), f"{name}: max difference {(values - base).abs().max().item():.3g}"
-    del whole, chunked
-    cached = LLM(max_num_batched_tokens=64, enable_prefix_caching=True, **kw)
-    for run in ("cold cache", "warm cache"):
-        tokens, values = _run(cached, "greedy", batch=3)
-        assert tokens == base_tokens, run
-        assert torch.equal(values, base), f"{run}: max difference {(values - base).abs().max().item():.3g}"
+    del chunked
+    _check_cold_and_warm_cache(whole, LLM(max_num_batched_tokens=64, enable_prefix_caching=True, **kw), "greedy")
