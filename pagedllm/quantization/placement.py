@@ -75,5 +75,6 @@ def log_placement(p: Placement) -> None:
         logger.info("weights: GGUF blocks (%.2f GiB) plus an fp32 copy for big steps (%s)",
                     p.packed_bytes / 2**30, p.reason)  # fmt: skip
     else:
-        logger.info("weights: GGUF blocks only, %.2f GiB, run natively at every batch size (%s)",
+        logger.info("weights: GGUF blocks only, %.2f GiB, run natively at every batch size (%s); steps of up to "
+                    "6 rows then sum in another order than bigger ones (docs/determinism.md)",
                     p.packed_bytes / 2**30, p.reason)  # fmt: skip
