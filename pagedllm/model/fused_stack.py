@@ -80,7 +80,8 @@ def why_not(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], big_steps
             elif big_steps and lin.panels is None:
                 return f"layer {i} has a linear without fp32 panels (big steps run on them)"
             elif not big_steps and (lin.packed is None or lin.qtype not in _QTYPES):
-                return f"layer {i} has a linear without GGUF blocks of a supported type ({lin.qtype})"
+                held = "+".join(s.qtype for s in lin.quant) if lin.quant else (lin.qtype or "no blocks")
+                return f"layer {i} has a linear without GGUF blocks of a supported type ({held})"
         if isinstance(kc, QuantizedKV) or isinstance(vc, QuantizedKV):
             return f"layer {i}'s KV cache is quantised ({kc.dtype}), not contiguous fp32 / fp16 / bf16"
         contiguous = kc.is_contiguous() and vc.is_contiguous()
