@@ -28,27 +28,19 @@ class ReferenceAttention(AttentionBackend):
         group = q.shape[1] // key_cache.shape[2]
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-            qi = q[start : start + q_len].float()  # [q_len, H, D]
-            ki = gather_context(key_cache, meta.block_tables[i], ctx_len)
-            vi = gather_context(value_cache, meta.block_tables[i], ctx_len)
-            # Query row r sits at context position ctx_len - q_len + r.
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-            k_pos = torch.arange(ctx_len, device=q.device)[None, :]
-            hidden = k_pos > q_pos
-            if window is not None:
-                hidden |= k_pos <= q_pos - window
-                # Positions before every query's window may sit in blocks given back to the pool
-                # (their table entries read NULL_BLOCK_ID, a block others write): masked scores
-                # of a NaN there would still poison the softmax, so they are zeroed.
-                unseen = hidden.all(0)[:, None, None]
-                ki, vi = ki.masked_fill(unseen, 0), vi.masked_fill(unseen, 0)
-            ki = ki.repeat_interleave(group, dim=1)  # [ctx, H, D]
-            vi = vi.repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(hidden, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, vi).to(q.dtype)
+            ki = gather_context(key_cache, meta.block_tables[i], ctx_len).repeat_interleave(group, dim=1)  # [ctx, H, D]
+            vi = gather_context(value_cache, meta.block_tables[i], ctx_len).repeat_interleave(group, dim=1)
+            # One query row at a time over exactly the keys it sees (row r sits at context
+            # position ctx_len - q_len + r): its sums then have the same shape however many rows
+            # the step holds, so chunking, cache hits and drafts leave its bits alone (the
+            # soft-capped models run this path: docs/determinism.md).
+            for r in range(q_len):
+                pos = ctx_len - q_len + r
+                lo = 0 if window is None else max(0, pos - window + 1)
+                scores = torch.einsum("hd,khd->hk", q[start + r].float(), ki[lo : pos + 1]) * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                probs = torch.softmax(scores, dim=-1)
+                out[start + r] = torch.einsum("hk,khd->hd", probs, vi[lo : pos + 1]).to(q.dtype)
             start += q_len
         return out
