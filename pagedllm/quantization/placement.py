@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.kernels.gguf_ops import SMALL_ROWS
 from pagedllm.quantization.weights import QuantizedWeight
 
 logger = logging.getLogger("pagedllm.quantization")
@@ -76,5 +77,5 @@ def log_placement(p: Placement) -> None:
                     p.packed_bytes / 2**30, p.reason)  # fmt: skip
     else:
         logger.info("weights: GGUF blocks only, %.2f GiB, run natively at every batch size (%s); steps of up to "
-                    "6 rows then sum in another order than bigger ones (docs/determinism.md)",
-                    p.packed_bytes / 2**30, p.reason)  # fmt: skip
+                    "%d rows then sum in another order than bigger ones (docs/determinism.md)",
+                    p.packed_bytes / 2**30, p.reason, SMALL_ROWS)  # fmt: skip
