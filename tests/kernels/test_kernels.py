@@ -147,6 +147,52 @@ def test_wide_fma_tiles_give_the_same_bits(n, k):
     torch.testing.assert_close(outs[1][9].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads,head_dim,block_size,window",
+    [((9, 3), 64, 16, None), ((8, 2), 128, 16, None), ((6, 1), 64, 5, None), ((4, 4), 64, 16, 40), ((9, 3), 64, 12, 100)],
+)
+def test_wide_fma_attention_pairs_rows_without_changing_bits(heads, head_dim, block_size, window, cache_dtype):
+    """With full-width 512-bit FMAs, attention runs two query rows that read the same KV head
+    in one zmm (the second may be the next token of a prefill tile, which sees one key more):
+    every row must keep the bits of the ymm path, for decodes, prefill chunks after a cached
+    prefix, an 8-token verification step, odd row counts, blocks not a multiple of 8 and a
+    sliding window. Elsewhere the switch is a no-op."""
+    lib = load_kernels()
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(head_dim + block_size)
+    seqs = [(36, 1), (0, 23), (50, 8), (129, 3), (7, 1), (200, 1), (16, 16), (3, 5)]  # (cached prefix, new tokens)
+    nb = sum(-(-(p + c) // block_size) for p, c in seqs) + 5
+    kc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    vc = torch.randn(nb, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    perm = torch.randperm(nb, generator=g)
+    width = max(-(-(p + c) // block_size) for p, c in seqs)
+    tables, used = torch.zeros(len(seqs), width, dtype=torch.int64), 0
+    for i, (p, c) in enumerate(seqs):
+        k = -(-(p + c) // block_size)
+        tables[i, :k], used = perm[used : used + k], used + k
+    q = torch.randn(sum(c for _, c in seqs), num_heads, head_dim, generator=g)
+    args = (tables, torch.tensor([p + c for p, c in seqs]), torch.tensor([0, *torch.tensor([c for _, c in seqs]).cumsum(0).tolist()]),
+            head_dim**-0.5, window)  # fmt: skip
+
+    def run():
+        if cache_dtype == torch.float16:
+            return kv_ops.paged_attention_kv(q, kc, vc, None, None, *args)
+        return ops.paged_attention(q, kc, vc, *args)
+
+    was = lib.pagedllm_wide_fma()
+    try:
+        lib.pagedllm_set_wide_fma(0)
+        narrow = run()
+        lib.pagedllm_set_wide_fma(1)
+        wide = run()
+    finally:
+        lib.pagedllm_set_wide_fma(was)
+    assert torch.equal(narrow, wide)
+    twin = reference.paged_attention(q, kc.float(), vc.float(), *args)
+    torch.testing.assert_close(wide, twin, rtol=1e-5, atol=1e-5)
+
+
 def test_linear_moves_its_weight_into_panels_unless_shared():
     g = torch.Generator().manual_seed(0)
     lin = Linear(64, 40, bias=True)

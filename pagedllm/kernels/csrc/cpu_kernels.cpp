@@ -17,8 +17,9 @@
 // also have an AVX-512 one (PAGEDLLM_AVX512, compiled in when build.py's -march=native finds
 // AVX-512 on this CPU), which sums every output in the same k order with the same FMAs, so the
 // AVX2 and AVX-512 builds give the same bits (tests/kernels: test_each_simd_build_...). The
-// attention has no AVX-512 path: on Zen 4, which runs a 512-bit op as two 256-bit halves, zmm
-// scores/softmax/V sums measured no faster than the AVX2 loop.
+// attention's AVX-512 path (Intel only, g_wide_fma) runs two query rows per zmm with each lane
+// doing its ymm lane's arithmetic, so it too keeps the bits; on Zen 4, which runs a 512-bit op
+// as two 256-bit halves, zmm scores/softmax/V sums measured no faster than the AVX2 loop.
 // Threads: each call runs an OpenMP team of `nthreads` (the caller passes torch's setting).
 // Sizes: callers pass the pool sizes (num_blocks, num_slots, max_positions); Python checks the
 // step's block tables, slots and positions against them once per step, and a build with
@@ -86,8 +87,9 @@ int pagedllm_debug_checks();
 
 // The core runs 512-bit FMAs at full width on two units (Intel; Zen 4 splits each into two
 // 256-bit halves), set once at load by kernels/build.py. AVX-512 builds then take the tile
-// shapes measured faster there: two panels per dense GEMM tile, and the zmm tile for one- and
-// two-row Q4_1 steps. Every tile sums each output in the same order: the bits do not change.
+// shapes measured faster there: two panels per dense GEMM tile, the zmm tile for one- and
+// two-row Q4_1 steps, and attention rows in pairs. Every tile sums each output in the same
+// order: the bits do not change.
 namespace {
 int g_wide_fma = 0;
 }  // namespace
@@ -152,6 +154,36 @@ inline __m256 load8(const bf16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+#ifdef PAGEDLLM_AVX512
+// Two attention rows side by side in one zmm (lanes 0-7 row A, 8-15 row B) for CPUs with
+// full-width 512-bit FMAs (g_wide_fma): every lane does the arithmetic of its row's ymm lane
+// in attend_heads, so a pair gives the bits of two single rows at half the FMA count. The K/V
+// row both use is loaded once into both halves.
+inline __m512 load8x2(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+inline __m512 load8x2(const f16_t* p) {
+    return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&p->bits))));
+}
+inline __m512 load8x2(const bf16_t* p) {
+    const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+// _mm256_hadd_ps on each 256-bit half: the same pairs summed.
+inline __m512 hadd2(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+// hsum8 (common.h) on each 256-bit half, with the same tree of adds.
+inline __m512 hsum8x2(const __m512 acc[8]) {
+    const __m512 a = hadd2(acc[0], acc[1]), b = hadd2(acc[2], acc[3]);
+    const __m512 c = hadd2(acc[4], acc[5]), d = hadd2(acc[6], acc[7]);
+    const __m512 ab = hadd2(a, b), cd = hadd2(c, d);
+    // permute2f128(ab, cd, 0x20 / 0x31) within each half: 128-bit quarters (ab0 cd0 | ab2 cd2), (ab1 cd1 | ab3 cd3).
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i hi_idx = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return _mm512_add_ps(_mm512_permutex2var_ps(ab, lo_idx, cd), _mm512_permutex2var_ps(ab, hi_idx, cd));
+}
+#endif
+
 // The rows (row_elems from `head_offset`: some adjacent KV heads) of block slots slot0..slot0+n-1,
 // into L2 (measured faster here than into L1, which these loops' working set would churn).
 template <typename T>
@@ -206,6 +238,11 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
     const int64_t a = aligned ? start - start % 8 : start;
     const int off = int(start - a);  // leading lanes of the first chunk that precede the window
     const int64_t last_block = (ctx - 1) / block_size;
+#ifdef PAGEDLLM_AVX512
+    // Rows r and r + 1 go as a pair when they read the same KV head. Rows are ordered by token,
+    // so r + 1's context is never shorter than r's.
+    auto paired = [&](int r) { return g_wide_fma && r + 1 < NR && (r % NH) / G == ((r + 1) % NH) / G; };
+#endif
     auto block_slot = [&](int64_t b) { return table[b] * block_size; };
     prefetch_block(key_cache, block_slot(a / block_size) + a % block_size,
                    std::min(block_size - a % block_size, ctx - a), token_stride, head_offset, row_elems);
@@ -241,19 +278,8 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
             }
         }
         const int first_lane = j0 == a ? off : 0;  // lanes before the window stay out of the max
-        for (int r = 0; r < NR; r++) {
-            prefetch_share(r);
+        auto take_scores = [&](int r, __m256 sv) {
             const int64_t own = ctx0 + r / NH - j0;  // this row's keys in the chunk (lanes past it: unused)
-            if (own <= 0) continue;
-            const int64_t ko = int64_t((r % NH) / G) * HD;  // this head's KV head within the row
-            __m256 dots[8];
-            const __m256 q0 = _mm256_load_ps(qs[r]);
-            for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j] + ko));
-            for (int c = 1; c < DV; c++) {
-                const __m256 qc = _mm256_load_ps(qs[r] + 8 * c);
-                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + ko + 8 * c), dots[j]);
-            }
-            const __m256 sv = hsum8(dots);
             _mm256_storeu_ps(scores + r * sstride + (j0 - a), sv);
             if (first_lane == 0 && own >= 8) {
                 vmax8[r] = _mm256_max_ps(vmax8[r], sv);
@@ -262,6 +288,38 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
                                                 _mm256_cmp_ps(lane_index, _mm256_set1_ps(float(std::min<int64_t>(8, own))), _CMP_LT_OQ));
                 vmax8[r] = _mm256_max_ps(vmax8[r], _mm256_blendv_ps(_mm256_set1_ps(-3.0e38f), sv, in));
             }
+        };
+        for (int r = 0; r < NR;) {
+            prefetch_share(r);
+            const int64_t own = ctx0 + r / NH - j0;  // this row's keys in the chunk (lanes past it: unused)
+            if (own <= 0) { r++; continue; }
+            const int64_t ko = int64_t((r % NH) / G) * HD;  // this head's KV head within the row
+#ifdef PAGEDLLM_AVX512
+            if (paired(r)) {  // rows r and r + 1 (same KV head) in one zmm
+                prefetch_share(r + 1);
+                __m512 dots[8];
+                const __m512 q0 = join(_mm256_load_ps(qs[r]), _mm256_load_ps(qs[r + 1]));
+                for (int j = 0; j < 8; j++) dots[j] = _mm512_mul_ps(q0, load8x2(krow[j] + ko));
+                for (int c = 1; c < DV; c++) {
+                    const __m512 qc = join(_mm256_load_ps(qs[r] + 8 * c), _mm256_load_ps(qs[r + 1] + 8 * c));
+                    for (int j = 0; j < 8; j++) dots[j] = _mm512_fmadd_ps(qc, load8x2(krow[j] + ko + 8 * c), dots[j]);
+                }
+                const __m512 sv = hsum8x2(dots);
+                take_scores(r, _mm512_castps512_ps256(sv));
+                if (ctx0 + (r + 1) / NH - j0 > 0) take_scores(r + 1, _mm512_extractf32x8_ps(sv, 1));
+                r += 2;
+                continue;
+            }
+#endif
+            __m256 dots[8];
+            const __m256 q0 = _mm256_load_ps(qs[r]);
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(q0, load8(krow[j] + ko));
+            for (int c = 1; c < DV; c++) {
+                const __m256 qc = _mm256_load_ps(qs[r] + 8 * c);
+                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qc, load8(krow[j] + ko + 8 * c), dots[j]);
+            }
+            take_scores(r, hsum8(dots));
+            r++;
         }
     }
     float vmaxs[MAX_ITEM_HEADS];
@@ -300,11 +358,36 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
             prefetch_block(value_cache, block_slot(nb), std::min(block_size, ctx - nb * block_size), token_stride,
                            head_offset, row_elems);
         }
-        for (int r = 0; r < NR; r++) {
+        for (int r = 0; r < NR;) {
             const int64_t nr = std::min(n, ctx0 + r / NH - j0);  // this row's keys in the block
-            if (nr <= 0) continue;
+            if (nr <= 0) { r++; continue; }
             const float* p = scores + r * sstride + (j0 - a);
             const T* vh = vb + int64_t((r % NH) / G) * HD;
+#ifdef PAGEDLLM_AVX512
+            if (paired(r)) {  // rows r and r + 1 (same KV head, r + 1 sees at least r's keys)
+                const int64_t nr1 = std::min(n, ctx0 + (r + 1) / NH - j0);
+                const float* p1 = scores + (r + 1) * sstride + (j0 - a);
+                __m512 acc[DV];
+                for (int c = 0; c < DV; c++) acc[c] = join(_mm256_load_ps(accbuf[r] + 8 * c), _mm256_load_ps(accbuf[r + 1] + 8 * c));
+                int64_t jj = 0;
+                for (; jj < nr; jj++) {
+                    const __m512 pj = join(_mm256_set1_ps(p[jj]), _mm256_set1_ps(p1[jj]));
+                    const T* vr = vh + jj * token_stride;
+                    for (int c = 0; c < DV; c++) acc[c] = _mm512_fmadd_ps(pj, load8x2(vr + 8 * c), acc[c]);
+                }
+                for (; jj < nr1; jj++) {  // keys only row r + 1 sees: row r's lanes stay as they are
+                    const __m512 pj = _mm512_set1_ps(p1[jj]);
+                    const T* vr = vh + jj * token_stride;
+                    for (int c = 0; c < DV; c++) acc[c] = _mm512_mask3_fmadd_ps(pj, load8x2(vr + 8 * c), acc[c], 0xFF00);
+                }
+                for (int c = 0; c < DV; c++) {
+                    _mm256_store_ps(accbuf[r] + 8 * c, _mm512_castps512_ps256(acc[c]));
+                    _mm256_store_ps(accbuf[r + 1] + 8 * c, _mm512_extractf32x8_ps(acc[c], 1));
+                }
+                r += 2;
+                continue;
+            }
+#endif
             __m256 acc[DV];
             for (int c = 0; c < DV; c++) acc[c] = _mm256_load_ps(accbuf[r] + 8 * c);
             for (int64_t jj = 0; jj < nr; jj++) {
@@ -313,6 +396,7 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
                 for (int c = 0; c < DV; c++) acc[c] = _mm256_fmadd_ps(pj, load8(vr + 8 * c), acc[c]);
             }
             for (int c = 0; c < DV; c++) _mm256_store_ps(accbuf[r] + 8 * c, acc[c]);
+            r++;
         }
         j0 += n;
     }
