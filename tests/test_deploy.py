@@ -351,6 +351,28 @@ def test_build_context_holds_what_the_dockerfile_copies(dockerfile):
         assert pattern in allowed
 
 
+def test_the_wheel_holds_every_file_of_the_package(tmp_path):
+    """`pip install .` (the Dockerfile's) installs a wheel, which holds only what pyproject's
+    package data names: every file of the package must be in it, the kernel sources and the
+    header they include among them (without csrc/common.h the image's kernel build fails)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "pagedllm", src / "pagedllm", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True)  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("pagedllm-*.whl")
+    import zipfile
+
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("pagedllm/")}
+    wanted = {p.relative_to(src).as_posix() for p in (src / "pagedllm").rglob("*") if p.is_file()}
+    assert wanted - shipped == set(), "missing from the wheel: add them to [tool.setuptools.package-data]"
+    from pagedllm.kernels import build
+
+    assert {f"pagedllm/kernels/csrc/{p.name}" for p in build.sources() + build.headers()} <= shipped
+
+
 # ---------------------------------------------------------------- docker/entrypoint.sh
 
 
