@@ -8,6 +8,19 @@ import pytest
 import torch
 
 
+def pytest_sessionstart(session):
+    """With pytest-xdist workers (`make test`), build the native kernels once in the controller
+    before they start, so two workers never compile the same library side by side on a fresh
+    machine (it is cached on disk for every later process)."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        from pagedllm.kernels.build import build_library
+
+        try:
+            build_library()
+        except RuntimeError:
+            pass  # no compiler: the kernel tests say so themselves
+
+
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
     """Build a small random transformers model of ``model_type`` and save it to ``path``."""
     import transformers
