@@ -127,6 +127,10 @@ class ModelArch:
         rope_local_theta = None
         if FULL in rope_params:  # one RoPE per layer type (Gemma 3)
             local = rope_params.get(SLIDING) or {}
+            local_type = local.get("rope_type", local.get("type", "default"))
+            if local_type != "default":  # the sliding layers' RoPE is always plain here
+                raise ValueError(f"unsupported rope_parameters.{SLIDING}.rope_type {local_type!r} "
+                                 "(scaling is supported on the full-attention layers only)")  # fmt: skip
             rope_local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
             rope_params = dict(rope_params[FULL])
         elif cfg.get("rope_local_base_freq") is not None:

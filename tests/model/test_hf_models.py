@@ -200,6 +200,20 @@ def test_unsupported_rope_scaling_is_a_clear_error(tmp_path):
         LLM(str(path), dtype="float32", num_kv_blocks=8)
 
 
+def test_rope_scaling_on_gemma3_sliding_layers_is_refused_not_ignored():
+    """transformers 5 gives Gemma 3 one RoPE per layer type; its sliding layers run plain RoPE
+    here, so a scaled sliding entry must be an error naming it (it was silently dropped)."""
+    from pagedllm.model.arch import ModelArch
+
+    base = dict(model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=6,
+                num_attention_heads=2, sliding_window=4, query_pre_attn_scalar=4)  # fmt: skip
+    plain = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    assert ModelArch.from_hf_config({**base, "rope_parameters": plain}).rope_local_theta == 1e4
+    scaled = {**plain, "sliding_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="sliding_attention.rope_type 'linear'"):
+        ModelArch.from_hf_config({**base, "rope_parameters": scaled})
+
+
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nowhere"))
