@@ -183,6 +183,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [-5]}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, None),
     # (named "logprobs" before: the field a client sent is top_logprobs)

@@ -421,7 +421,7 @@ class OpenAIServing:
             add_special_tokens=req.add_special_tokens,
         )
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")
+            raise ValueError(f"messages take {len(prompt_ids)} tokens; the context is {self.max_model_len}")
         params = req.to_sampling_params(self.sampling_defaults)
         constraint = tools.constraint() if tools is not None else None
         if constraint is not None:
