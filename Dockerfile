@@ -39,8 +39,13 @@ RUN python -m pip install --quiet --no-deps xgrammar==0.2.8
 
 COPY docker/entrypoint.sh /usr/local/bin/pagedllm-entrypoint
 RUN chmod 0755 /usr/local/bin/pagedllm-entrypoint
+COPY docker/healthcheck.py /usr/local/bin/pagedllm-healthcheck.py
 
 USER pagedllm
+# Out of /opt/pagedllm: its copied sources would shadow the installed package for `python -c`
+# (the current directory comes first on sys.path), so the warm-up below would build the kernels
+# of the sources, not of what `pip install .` installed.
+WORKDIR /home/pagedllm
 ENV PAGEDLLM_CACHE_DIR=/home/pagedllm/.cache/pagedllm \
     PAGEDLLM_HOST=0.0.0.0 \
     PAGEDLLM_PORT=8000
@@ -51,8 +56,9 @@ ENV PAGEDLLM_CACHE_DIR=/home/pagedllm/.cache/pagedllm \
 RUN python -c "from pagedllm.kernels.build import build_library; from pagedllm.model.loader import resolve_model; from pagedllm.tokenizer import load_tokenizer; print('kernels:', build_library().pagedllm_kernels_isa().decode()); assert load_tokenizer(resolve_model(None)) is not None, 'no tokenizer'"
 
 EXPOSE 8000
+# /health on the server's port, read from its command line (a `--port` argument overrides PAGEDLLM_PORT).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PAGEDLLM_PORT', '8000'), timeout=4)" || exit 1
+    CMD python /usr/local/bin/pagedllm-healthcheck.py || exit 1
 
 # The script turns PAGEDLLM_* env vars into flags and execs `pagedllm serve` (PID 1, so
 # SIGTERM from `docker stop` reaches the server's graceful shutdown); CMD args are appended.

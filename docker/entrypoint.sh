@@ -6,6 +6,13 @@
 # PAGEDLLM_API_KEY is read by the server itself, so the key never shows in the process list.
 set -eu
 
+# A model given after the image name (`docker run IMAGE /models/x.gguf`: a first argument that is
+# not a flag) overrides PAGEDLLM_MODEL too; the CLI refuses a model given twice.
+model_arg=""
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
+    model_arg="$1"
+fi
+
 # POSIX sh has no arrays: the flags are prepended to "$@" itself, last flag first, so they
 # come out in the order host, port, model, dtype, max-num-seqs, ... before the extra args.
 if [ -n "${PAGEDLLM_KV_CACHE_SPACE:-}" ]; then
@@ -23,7 +30,7 @@ fi
 if [ -n "${PAGEDLLM_DTYPE:-}" ]; then
     set -- --dtype "$PAGEDLLM_DTYPE" "$@"
 fi
-if [ -n "${PAGEDLLM_MODEL:-}" ]; then
+if [ -n "${PAGEDLLM_MODEL:-}" ] && [ -z "$model_arg" ]; then
     set -- --model "$PAGEDLLM_MODEL" "$@"
 fi
 set -- --host "${PAGEDLLM_HOST:-0.0.0.0}" --port "${PAGEDLLM_PORT:-8000}" "$@"
