@@ -21,6 +21,14 @@ def pytest_sessionstart(session):
             pass  # no compiler: the kernel tests say so themselves
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with tests marked slow run first (each keeps its own order): with two xdist
+    workers taking whole files, the long files start early and the short ones fill in at the
+    end, instead of one worker finishing the Gemma 3 oracle alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
     """Build a small random transformers model of ``model_type`` and save it to ``path``."""
     import transformers
