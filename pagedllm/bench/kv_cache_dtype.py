@@ -97,18 +97,20 @@ def _bytes_per_token_head(name: str, head_dim: int) -> int:
 # ------------------------------------------------------------------------------ engine parts
 def use_kv_dtype(llm, kv_cache_dtype: str) -> None:
     """Give ``llm`` a fresh model runner (new KV pools of ``kv_cache_dtype``) around its model."""
+    from pagedllm.executor.uniproc import UniProcExecutor
     from pagedllm.runner.model_runner import ModelRunner
 
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
     old, cfg = engine.runner, engine.config
     model, num_blocks = old.model, old.num_blocks
-    engine.runner = None
+    engine.runner = engine.executor = None  # the engine steps through its executor: both go
     del old
     gc.collect()
     engine.runner = ModelRunner(model, num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                                 max_model_len=engine.max_model_len, dtype=cfg.torch_dtype,
                                 attention_backend=cfg.attention_backend, seed=cfg.seed, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    engine.executor = UniProcExecutor(engine.runner)
     llm.reset_prefix_cache()  # blocks cached under the old pools hold nothing in the new ones
 
 

@@ -109,3 +109,27 @@ def test_prefix_cache_bench_reports_the_second_requests_own_hit_rate(tiny_llama_
     second = result["prompt_tokens"][1]
     hits = round(result["prefix_cache_hit_rate"] * second)
     assert hits % 16 == 0 and second - 64 < hits < second  # whole blocks of the shared system prompt
+
+
+def test_kv_dtype_bench_runs_the_dtype_it_names(tiny_llama_tok):
+    """`bench kv-cache-dtype` swaps the KV pools of one engine: the steps must then run the new
+    runner. They ran the old one (the engine steps through its executor), so every dtype's
+    accuracy row measured fp32 against itself."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.bench.kv_cache_dtype import use_kv_dtype
+
+    kw = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 45))}
+
+    def logprobs(llm):
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        return [sorted(step.items()) for step in out.outputs[0].logprobs]
+
+    want = logprobs(LLM(str(tiny_llama_tok), kv_cache_dtype="int8", **kw))
+    llm = LLM(str(tiny_llama_tok), **kw)
+    fp32 = logprobs(llm)
+    use_kv_dtype(llm, "int8")
+    assert llm.llm_engine.executor.runner is llm.llm_engine.runner
+    got = logprobs(llm)
+    assert got == want and got != fp32
