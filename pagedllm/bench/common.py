@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import socket
 import subprocess
@@ -82,11 +83,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float written as a string ("inf", "nan"): strict JSON
+    has no Infinity (``--request-rate inf``), and other readers refuse Python's extension."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def report(result: dict[str, Any], line: str, path: str | None) -> dict[str, Any]:
     print(line)
     if path:
         with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(json_safe(result), f, indent=2, allow_nan=False)
     return result
 
 

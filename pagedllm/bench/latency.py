@@ -132,6 +132,8 @@ def _line(name: str, r: dict, iters: int) -> str:
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    if workload_from_args(args).output_len < 2:
+        raise ValueError("--output-len must be at least 2: ms per output token needs a token after the first")
     name = args.text_prompts or workload_from_args(args).name
     spec = engine_kwargs.get("speculative_config")
     sampling = sampling_from_args(args)

@@ -43,7 +43,9 @@ def load_results(results_dir: Path) -> dict[str, list[Result]]:
     found: dict[str, list[Result]] = defaultdict(list)
     for path in sorted(results_dir.rglob("*.json")):
         try:
-            d = json.loads(path.read_text())  # the stdlib reads the ``Infinity`` of --request-rate inf
+            d = json.loads(path.read_text())  # the stdlib reads the ``Infinity`` older results hold
+            if isinstance(d, dict) and isinstance(d.get("request_rate"), str):  # "inf" (bench.common.json_safe)
+                d["request_rate"] = float(d["request_rate"])
         except (OSError, ValueError) as e:
             print(f"note: skipping {path}: {e}")
             continue

@@ -133,3 +133,12 @@ def test_kv_dtype_bench_runs_the_dtype_it_names(tiny_llama_tok):
     assert llm.llm_engine.executor.runner is llm.llm_engine.runner
     got = logprobs(llm)
     assert got == want and got != fp32
+
+
+def test_latency_refuses_one_output_token_before_loading_a_model(capsys):
+    """ms per output token needs a second token: `--output-len 1` ran the whole benchmark, then
+    failed on an empty mean."""
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["bench", "latency", "--output-len", "1", "--input-len", "8", "--model", "/nonexistent"]) == 2
+    assert "--output-len must be at least 2" in capsys.readouterr().err

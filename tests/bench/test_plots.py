@@ -96,6 +96,10 @@ def test_throughput_and_serve_results_render(monkeypatch, tmp_path):
         _write_serve(monkeypatch, results / f"serve_{rate}.json", rate)
     kinds = [plots.classify(json.loads(p.read_text())) for p in sorted(results.glob("*.json"))]
     assert sorted(kinds) == ["serve"] * 2 + ["throughput"] * 3
+    # Strict JSON (no Infinity for --request-rate inf), which the plots read back as a float.
+    strict = json.loads((results / "serve_inf.json").read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert strict["request_rate"] == "inf"
+    assert sorted(r["request_rate"] for r in plots.load_results(results)["serve"]) == [8.0, float("inf")]
 
     out = tmp_path / "out"
     assert plots.main(["--results-dir", str(results), "--out-dir", str(out)]) == 0

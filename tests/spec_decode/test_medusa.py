@@ -75,3 +75,16 @@ def test_shipped_heads_fit_the_default_model():
     config = json.loads((DEFAULT_MEDUSA / "config.json").read_text())
     assert (config["method"], config["hidden_size"], config["vocab_size"]) == ("medusa", 576, 49152)
     assert (DEFAULT_MEDUSA / "heads.safetensors").stat().st_size < 8 << 20  # a few MB
+
+
+def test_draft_vocab_size_zero_means_all_as_its_help_says():
+    """`--draft-vocab-size 0` ("0: all", in the help) was refused by a positive-int check."""
+    import argparse
+
+    from pagedllm.entrypoints import train_draft_head
+
+    p = argparse.ArgumentParser()
+    train_draft_head.add_args(p)
+    assert p.parse_args(["--output", "x", "--draft-vocab-size", "0"]).draft_vocab_size == 0
+    with pytest.raises(SystemExit):
+        p.parse_args(["--output", "x", "--draft-vocab-size", "-1"])

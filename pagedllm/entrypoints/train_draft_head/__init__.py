@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=256, help="answer length cap" + d)
     p.add_argument("--generation-activation-dtype", choices=["float32", "int8", "int16"], default="int8",
                    help="the mode answers are generated in; labels always come from the exact model" + d)
-    p.add_argument("--draft-vocab-size", type=positive_int, default=8192,
+    p.add_argument("--draft-vocab-size", type=non_negative_int, default=8192,
                    help="heads draft from this many most frequent answer tokens, reading only their LM-head "
                         "rows; 0: all" + d)  # fmt: skip
     p.add_argument("--epochs", type=positive_int, default=2, help="passes over the training data" + d)
