@@ -14,6 +14,7 @@ computes the prompt itself. No request is lost to the producer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -22,13 +23,18 @@ from typing import Any, AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.entrypoints.arg_types import positive_float, tcp_port
 
 logger = logging.getLogger("pagedllm.disagg_proxy")
 
-# Hop-by-hop and length headers are the proxy's own business, not the upstream's.
-_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+# Hop-by-hop and length headers are the proxy's own business, not the upstream's (and its own
+# server writes date and server).
+_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
+# Request headers the instances read: the API key and the client's request id.
+_FORWARD_HEADERS = ("authorization", "x-request-id")
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 @dataclass
@@ -60,8 +66,28 @@ def _error(status: int, message: str, type_: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": status}}, status_code=status)
 
 
+async def unless_disconnected(request: Request, work: Any) -> tuple[bool, Any]:
+    """(True, result) of awaiting ``work``, or (False, None) once the client has gone first:
+    ``work`` is then cancelled, which closes its upstream connection, so the instance aborts the
+    request and frees its blocks instead of computing it for nobody. (Starlette notices a
+    disconnect by itself only while a response streams.)"""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return True, task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
+            return False, None
+
+
 def build_proxy_app(config: ProxyConfig) -> FastAPI:
-    client = httpx.AsyncClient(timeout=httpx.Timeout(config.decode_timeout, connect=10.0))
+    # No cap on connections (httpx's default of 100 made the 101st request wait for a slot):
+    # the instances bound the work with their own queues.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(config.decode_timeout, connect=10.0), limits=limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -73,13 +99,20 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     app.state.stats = stats
     prefill_url, decode_url = config.prefill_url.rstrip("/"), config.decode_url.rstrip("/")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI-style bodies
+        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "BadRequestError")
+
     def forward_headers(request: Request) -> dict[str, str]:
-        auth = request.headers.get("authorization")
-        return {"authorization": auth} if auth else {}
+        return {k: request.headers[k] for k in _FORWARD_HEADERS if k in request.headers}
 
     async def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
         try:
             r = await client.post(prefill_url + path, json=prefill_body(body), headers=headers, timeout=config.prefill_timeout)
+        except ValueError as e:  # not encodable as JSON (NaN, 1e400): the decode instance says why
+            stats.prefill_failed += 1
+            logger.warning("request not sent to the prefill instance: %s", e)
+            return
         except httpx.HTTPError as e:
             stats.prefill_failed += 1
             logger.warning("prefill instance unreachable (%s: %s); the decode instance computes the prompt", type(e).__name__, e)
@@ -93,18 +126,26 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     async def relay(path: str, request: Request) -> Response:
         try:
             body = await request.json()
-        except ValueError as e:
-            return _error(400, f"request body is not valid JSON: {e}", "BadRequestError")
+        except (ValueError, RecursionError) as e:  # (RecursionError: nesting deeper than the parser goes)
+            return _error(400, f"request body is not valid JSON: {type(e).__name__}", "BadRequestError")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "BadRequestError")
         stats.requests += 1
         headers = forward_headers(request)
-        await prefill(path, body, headers)
+        if not (await unless_disconnected(request, prefill(path, body, headers)))[0]:
+            return Response(status_code=499)  # the client has gone: nothing to send the decode instance
+        # The client's own bytes, as it sent them: the decode instance validates them as a
+        # single server would (re-encoding would fail on the NaN or 1e400 it refuses with a 400).
+        raw = await request.body()
+        send = client.send(client.build_request("POST", decode_url + path, content=raw,
+                                                headers={**headers, "content-type": "application/json"}), stream=True)  # fmt: skip
         try:
-            upstream = await client.send(client.build_request("POST", decode_url + path, json=body, headers=headers), stream=True)
+            arrived, upstream = await unless_disconnected(request, send)
         except httpx.HTTPError as e:
             logger.error("decode instance unreachable: %s: %s", type(e).__name__, e)
             return _error(503, f"the decode instance is unreachable: {type(e).__name__}", "ServiceUnavailableError")
+        if not arrived:
+            return Response(status_code=499)
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -126,7 +167,10 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        r = await client.get(decode_url + "/v1/models", headers=forward_headers(request))
+        try:
+            r = await client.get(decode_url + "/v1/models", headers=forward_headers(request), timeout=10.0)
+        except httpx.HTTPError as e:
+            return _error(503, f"the decode instance is unreachable: {type(e).__name__}", "ServiceUnavailableError")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.get("/health")

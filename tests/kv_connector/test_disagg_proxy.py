@@ -1,0 +1,126 @@
+"""``pagedllm disagg-proxy`` against stand-in instances (no model): a client that leaves is
+never served for nothing, bad input gets the decode instance's answer or an OpenAI-style error,
+and the client's request id reaches the instances. Found by an adversarial review."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.disagg_proxy import ProxyConfig, build_proxy_app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """An ASGI app on a uvicorn thread of this process."""
+
+    def __init__(self, app: FastAPI):
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.started
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class Instance:
+    """A stand-in server: answers after ``delay`` s unless its client leaves first; records both."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay, self.seen, self.left = delay, [], []
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = await request.body()
+            self.seen.append((dict(request.headers), body))
+            deadline = time.monotonic() + self.delay
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    self.left.append(body)
+                    return Response(status_code=499)
+                await asyncio.sleep(0.02)
+            return JSONResponse({"choices": [{"text": "ok"}]})
+
+        self.served = Served(app)
+        self.url = self.served.url
+
+
+@pytest.fixture
+def setup():
+    made: list = []
+
+    def make(prefill_delay: float = 0.0, decode_delay: float = 0.0, decode_down: bool = False):
+        prefill, decode = Instance(prefill_delay), Instance(decode_delay)
+        decode_url = f"http://127.0.0.1:{_free_port()}" if decode_down else decode.url
+        proxy = Served(build_proxy_app(ProxyConfig(prefill.url, decode_url, prefill_timeout=30)))
+        made.extend([prefill.served, decode.served, proxy])
+        return prefill, decode, proxy.url
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def _wait(cond, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it_on_the_decode_instance(setup):
+    prefill, decode, url = setup(decode_delay=30)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 500}, timeout=1.0)
+    assert _wait(lambda: decode.left), "the decode instance kept computing for a client that had gone"
+
+
+def test_a_client_that_leaves_during_the_prefill_is_never_sent_to_the_decode_instance(setup):
+    prefill, decode, url = setup(prefill_delay=30)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 500}, timeout=1.0)
+    assert _wait(lambda: prefill.left)
+    time.sleep(0.5)
+    assert decode.seen == []
+
+
+def test_bad_bodies_get_the_decode_instances_answer_or_a_400_never_a_500(setup):
+    prefill, decode, url = setup()
+    nan = b'{"prompt": "x", "temperature": NaN, "max_tokens": 1e400}'
+    r = httpx.post(f"{url}/v1/completions", content=nan, headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 200 and decode.seen[-1][1] == nan  # the client's bytes, for the instance to judge
+    deep = httpx.post(f"{url}/v1/completions", content=b"[" * 100_000, timeout=10)
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == 400
+    for method, path, status in (("GET", "/nowhere", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, f"{url}{path}", timeout=10)
+        assert r.status_code == status and r.json()["error"]["code"] == status, r.text
+
+
+def test_the_request_id_reaches_the_instances_and_a_down_decode_is_a_503(setup):
+    prefill, decode, url = setup()
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "trace-42"}, timeout=10)
+    assert r.status_code == 200 and r.headers.get_list("date").__len__() == 1
+    assert [h.get("x-request-id") for h, _ in prefill.seen + decode.seen] == ["trace-42", "trace-42"]
+    _, _, down = setup(decode_down=True)
+    r = httpx.get(f"{down}/v1/models", timeout=20)
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
