@@ -160,6 +160,11 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
         assert int(text("free-count")) == 200
         assert browser.find_elements(By.CSS_SELECTOR, "#requests tr.req") == []
         assert text("hit-rate").endswith("%") and text("hit-rate") != "0.0%"  # requests 2-4 hit the shared prefix
+        # ?engine=r asks the state route for replica r (data parallelism); this server has one.
+        browser.get(f"{server.url}/dashboard?engine=0#key=sekrit")
+        WebDriverWait(browser, 20, poll_frequency=0.05).until(lambda _: text("total-count") == "200")
+        browser.get(f"{server.url}/dashboard?engine=3#key=sekrit")
+        WebDriverWait(browser, 20, poll_frequency=0.05).until(lambda _: text("error") == "HTTP 400")
     finally:
         browser.quit()
 

@@ -104,10 +104,14 @@
     drawChart("chart-hits", series, [{ key: "prefix_hit_rate", color: "#54a24b" }], 1);
   }
 
+  // /dashboard?engine=r shows data-parallel replica r's pool (the state route's own parameter).
+  const engine = new URLSearchParams(location.search).get("engine");
+  const stateUrl = "/v1/kv_cache/state" + (engine === null ? "" : "?engine=" + encodeURIComponent(engine));
+
   async function poll() {
     try {
       const headers = key ? { Authorization: "Bearer " + key } : {};
-      const r = await fetch("/v1/kv_cache/state", { headers });
+      const r = await fetch(stateUrl, { headers });
       if (r.status === 401) {
         $("keyform").style.display = "block";
         $("error").textContent = "this server needs an API key";
