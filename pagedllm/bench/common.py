@@ -23,7 +23,8 @@ def add_workload_args(p: argparse.ArgumentParser, default: str | None = None) ->
     p.add_argument("--input-len", type=positive_int, default=None, help="prompt tokens (default: the workload's, else 256)")
     p.add_argument("--output-len", type=positive_int, default=None, help="new tokens (default: the workload's, else 128)")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="requests (default: the workload's, else 64)")
-    p.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--prompt-seed", type=int, default=None,
+                   help="seed of the random prompts (default: the workload's; 0 without one)")
     p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 
@@ -62,9 +63,11 @@ def request_params(sampling: dict, max_tokens: int, i: int, ignore_eos: bool = T
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    """The chosen standard workload, with any of --input-len/--output-len/--num-prompts applied."""
-    base = WORKLOADS[args.workload] if args.workload else Workload("custom", args.prompt_seed, 64, 256, 128)
-    fields = {"input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts}
+    """The chosen standard workload, with any of --input-len/--output-len/--num-prompts/--prompt-seed
+    applied (then it is a custom one)."""
+    base = WORKLOADS[args.workload] if args.workload else Workload("custom", 0, 64, 256, 128)
+    fields = {"input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+              "seed": args.prompt_seed}  # fmt: skip
     changes = {k: v for k, v in fields.items() if v is not None}
     if not changes:
         return base

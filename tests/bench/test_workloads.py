@@ -21,6 +21,14 @@ def test_explicit_lengths_override_the_default_workload():
     assert len(w.prompts()[0]) == 16
 
 
+def test_a_prompt_seed_applies_to_a_standard_workload_too():
+    """`bench latency --prompt-seed 7` (W2 by default) ran W2's seed-1 prompts (found by a review)."""
+    w = workload_from_args(_parse(["--prompt-seed", "7"], "W2"))
+    assert (w.name, w.seed, w.input_len) == ("custom", 7, WORKLOADS["W2"].input_len)
+    assert w.prompts() != WORKLOADS["W2"].prompts()
+    assert workload_from_args(_parse([], None)).seed == 0
+
+
 def test_no_workload_gives_custom_defaults():
     w = workload_from_args(_parse(["--num-prompts", "3", "--prompt-seed", "7"], None))
     assert (w.name, w.num_prompts, w.input_len, w.output_len, w.seed) == ("custom", 3, 256, 128, 7)
