@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from pagedllm.bench.common import CliProcess, cpu_name, report
-from pagedllm.entrypoints.arg_types import result_path
+from pagedllm.entrypoints.arg_types import output_dir, positive_float_or_inf, positive_int, result_path
 
 FACT = ("Policy {i}: support agents answer politely, cite the knowledge base article number, never promise "
         "refunds without a ticket, and escalate outages to the on-call engineer within ten minutes.")  # fmt: skip
@@ -36,18 +36,25 @@ FACT = ("Policy {i}: support agents answer politely, cite the knowledge base art
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", choices=["restart", "pd", "transport"])
     p.add_argument("--model", default=None, help="model for every server (default: the embedded one)")
-    p.add_argument("--store", default=None, help="store directory (default: a fresh temporary one; pd: under /dev/shm)")
-    p.add_argument("--threads", type=int, default=None, help="PAGEDLLM_NUM_THREADS of each server (pd default: 1)")
-    p.add_argument("--system-facts", type=int, default=60, help="restart: sentences in the system prompt (60: ~2,200 tokens)")
-    p.add_argument("--input-len", type=int, default=4000, help="pd: prompt tokens")
-    p.add_argument("--output-len", type=int, default=32, help="pd: output tokens")
-    p.add_argument("--num-prompts", type=int, default=8, help="pd: requests")
-    p.add_argument("--request-rate", type=float, default=0.05, help="pd: Poisson arrivals, req/s")
+    p.add_argument("--store", type=output_dir, default=None,
+                   help="store directory (default: a fresh temporary one; pd: under /dev/shm)")
+    p.add_argument("--threads", type=positive_int, default=None, help="PAGEDLLM_NUM_THREADS of each server (pd default: 1)")
+    p.add_argument("--system-facts", type=positive_int, default=60,
+                   help="restart: sentences in the system prompt (60: ~2,200 tokens)")
+    p.add_argument("--input-len", type=positive_int, default=4000, help="pd: prompt tokens; transport: tokens to move")
+    p.add_argument("--output-len", type=positive_int, default=32, help="pd: output tokens")
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="pd: requests")
+    p.add_argument("--request-rate", type=positive_float_or_inf, default=0.05, help="pd: Poisson arrivals, req/s")
     p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 
+_started: list[CliProcess] = []  # every server of this run: stopped at the end, even after an error
+
+
 def _start(argv: list[str], threads: int | None) -> CliProcess:
-    return CliProcess(argv, {"PAGEDLLM_NUM_THREADS": str(threads)} if threads else None, timeout=300)
+    proc = CliProcess(argv, {"PAGEDLLM_NUM_THREADS": str(threads)} if threads else None, timeout=300)
+    _started.append(proc)
+    return proc
 
 
 def _stop(proc: CliProcess) -> float:
@@ -205,4 +212,10 @@ def _transport(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    return {"restart": _restart, "pd": _pd, "transport": _transport}[args.mode](args)
+    if args.store:
+        os.makedirs(args.store, exist_ok=True)
+    try:
+        return {"restart": _restart, "pd": _pd, "transport": _transport}[args.mode](args)
+    finally:  # a failed run must not leave servers behind (stop() is a no-op for stopped ones)
+        while _started:
+            _started.pop().stop()

@@ -142,3 +142,31 @@ def test_latency_refuses_one_output_token_before_loading_a_model(capsys):
 
     assert main(["bench", "latency", "--output-len", "1", "--input-len", "8", "--model", "/nonexistent"]) == 2
     assert "--output-len must be at least 2" in capsys.readouterr().err
+
+
+def test_kv_connector_bench_checks_its_flags_and_stops_its_servers_after_an_error(monkeypatch, tmp_path):
+    """`bench kv-connector pd --request-rate 0` crashed in the middle and left its first server
+    running (found by a review): the flags are checked when read, and every server started is
+    stopped however the run ends."""
+    from pagedllm.bench import kv_connector
+
+    for bad in (["pd", "--request-rate", "0"], ["pd", "--num-prompts", "-1"], ["transport", "--input-len", "0"]):
+        with pytest.raises(SystemExit):
+            _args(kv_connector.add_args, bad)
+    stopped = []
+
+    class FakeServer:
+        def __init__(self, argv, env=None, timeout=None):
+            self.url = "http://127.0.0.1:9"
+
+        def stop(self):
+            stopped.append(self)
+
+    def fail(url, args):
+        raise RuntimeError("the benchmark client failed")
+
+    monkeypatch.setattr(kv_connector, "CliProcess", FakeServer)
+    monkeypatch.setattr(kv_connector, "_drive", fail)
+    with pytest.raises(RuntimeError):
+        kv_connector.run(_args(kv_connector.add_args, ["pd", "--store", str(tmp_path / "store")]))
+    assert len(stopped) == 1 and not kv_connector._started  # the single-instance server, started before the failure
