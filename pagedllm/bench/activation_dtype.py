@@ -24,17 +24,17 @@ import torch
 
 from pagedllm.bench.common import cpu_name
 from pagedllm.bench.kv_cache_dtype import agreement_stats, greedy_and_perplexity
-from pagedllm.entrypoints.arg_types import result_path
+from pagedllm.entrypoints.arg_types import comma_list, positive_int, result_path
 
 DEFAULT_VARIANTS = "float32,int8,int16,int16/float16,int8-exact:lm_head,int8-exact:mlp.down_proj"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", default="accuracy,w1", help="comma-separated: accuracy, w1")
+    p.add_argument("--parts", type=comma_list("accuracy", "w1"), default="accuracy,w1", help="comma-separated: accuracy, w1")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="accuracy part: float32, int8, int16 (each optionally /KV_CACHE_DTYPE), int8-exact:NAME[+NAME], int8-only:NAME[+NAME] (comma-separated)")
-    p.add_argument("--max-tokens", type=int, default=48, help="accuracy part: greedy tokens per parity prompt")
-    p.add_argument("--w1-output-len", type=int, default=32)
-    p.add_argument("--w1-rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=positive_int, default=48, help="accuracy part: greedy tokens per parity prompt")
+    p.add_argument("--w1-output-len", type=positive_int, default=32)
+    p.add_argument("--w1-rounds", type=positive_int, default=2)
     p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 

@@ -30,19 +30,19 @@ import torch
 
 from pagedllm.bench.common import PERPLEXITY_TEXT, cpu_name
 from pagedllm.bench.workloads import parity_prompts
-from pagedllm.entrypoints.arg_types import result_path
+from pagedllm.entrypoints.arg_types import comma_list, positive_int, positive_int_list, result_path
 
 DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3"]
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", default="attention,accuracy,w1", help="comma-separated: attention, accuracy, w1")
+    p.add_argument("--parts", type=comma_list("attention", "accuracy", "w1"), default="attention,accuracy,w1", help="comma-separated: attention, accuracy, w1")
     p.add_argument("--kv-dtypes", default=",".join(DTYPES), help="cache dtypes compared with float32")
-    p.add_argument("--num-seqs", type=int, default=64)
-    p.add_argument("--context", type=int, default=320)
-    p.add_argument("--rounds", type=int, default=30, help="attention part: calls per dtype")
-    p.add_argument("--attention-threads", default="", help="attention part: comma-separated thread counts (default: torch's)")
-    p.add_argument("--max-tokens", type=int, default=48, help="accuracy part: greedy tokens per parity prompt")
-    p.add_argument("--w1-output-len", type=int, default=64)
+    p.add_argument("--num-seqs", type=positive_int, default=64)
+    p.add_argument("--context", type=positive_int, default=320)
+    p.add_argument("--rounds", type=positive_int, default=30, help="attention part: calls per dtype")
+    p.add_argument("--attention-threads", type=positive_int_list, default="", help="attention part: comma-separated thread counts (default: torch's)")
+    p.add_argument("--max-tokens", type=positive_int, default=48, help="accuracy part: greedy tokens per parity prompt")
+    p.add_argument("--w1-output-len", type=positive_int, default=64)
     p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 

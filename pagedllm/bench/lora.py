@@ -24,16 +24,17 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.common import add_workload_args, cpu_name, report, workload_from_args
+from pagedllm.entrypoints.arg_types import existing_dir, positive_int
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, default="W1")
-    p.add_argument("--num-adapters", type=int, default=8, help="adapters the spread run uses (default: %(default)s)")
-    p.add_argument("--lora-rank", type=int, default=16, help="rank of the generated adapters (default: %(default)s)")
-    p.add_argument("--adapter-dir", default=None, help="use the PEFT adapters in this directory's subdirectories instead")
-    p.add_argument("--repeats", type=int, default=1, help="run the three phases this many times; the best of each counts")
+    p.add_argument("--num-adapters", type=positive_int, default=8, help="adapters the spread run uses (default: %(default)s)")
+    p.add_argument("--lora-rank", type=positive_int, default=16, help="rank of the generated adapters (default: %(default)s)")
+    p.add_argument("--adapter-dir", type=existing_dir, default=None, help="use the PEFT adapters in this directory's subdirectories instead")
+    p.add_argument("--repeats", type=positive_int, default=1, help="run the three phases this many times; the best of each counts")
     p.add_argument("--lora-off-baseline", action="store_true", help="also time the base model on an engine without LoRA")
 
 
@@ -92,7 +93,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     prompts = [{"prompt_token_ids": p} for p in w.prompts()]
     params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
     # Warm-up: kernels, and every adapter loaded and given a slot once.
-    llm.generate(prompts[:n], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), lora_request=adapters, use_tqdm=False)
+    warm = [prompts[i % len(prompts)] for i in range(n)]  # one per adapter, however few the prompts
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), lora_request=adapters, use_tqdm=False)
     phases = {
         "base": [None] * len(prompts),
         "1_adapter": [adapters[0]] * len(prompts),

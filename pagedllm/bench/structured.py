@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pagedllm.entrypoints.arg_types import result_path
+from pagedllm.entrypoints.arg_types import comma_list, positive_int, result_path
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -143,10 +143,10 @@ TASKS = [
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["validity", "overhead"], default="validity")
-    p.add_argument("--num-requests", type=int, default=50, help="validity: requests per task and temperature")
-    p.add_argument("--tasks", default=",".join(t.name for t in TASKS), help="validity: comma-separated task names")
-    p.add_argument("--output-len", type=int, default=128, help="overhead: tokens per sequence")
-    p.add_argument("--num-seqs", type=int, default=64, help="overhead: sequences per run")
+    p.add_argument("--num-requests", type=positive_int, default=50, help="validity: requests per task and temperature")
+    p.add_argument("--tasks", type=comma_list(*(t.name for t in TASKS)), default=",".join(t.name for t in TASKS), help="validity: comma-separated task names")
+    p.add_argument("--output-len", type=positive_int, default=128, help="overhead: tokens per sequence")
+    p.add_argument("--num-seqs", type=positive_int, default=64, help="overhead: sequences per run")
     p.add_argument("--save-result", type=result_path, default=None, help="write the result as JSON to this file")
 
 

@@ -55,3 +55,30 @@ def result_path(value: str) -> str:
     if os.path.isdir(value):
         raise argparse.ArgumentTypeError(f"{value!r} is a directory")
     return value
+
+
+def comma_list(*choices: str) -> Callable[[str], str]:
+    """A comma-separated list of ``choices`` (a typo would otherwise select nothing and the run
+    would end having done nothing); returns the text as given."""
+
+    def check(value: str) -> str:
+        names = [v.strip() for v in value.split(",") if v.strip()]
+        unknown = [n for n in names if n not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (comma-separated), got {value!r}")
+        return value
+
+    return check
+
+
+def positive_int_list(value: str) -> str:
+    """A comma-separated list of positive integers (may be empty); returns the text as given."""
+    for item in (v for v in value.split(",") if v.strip()):
+        positive_int(item)
+    return value
+
+
+def existing_dir(value: str) -> str:
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"no such directory: {value!r}")
+    return value

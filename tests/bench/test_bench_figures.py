@@ -170,3 +170,31 @@ def test_kv_connector_bench_checks_its_flags_and_stops_its_servers_after_an_erro
     with pytest.raises(RuntimeError):
         kv_connector.run(_args(kv_connector.add_args, ["pd", "--store", str(tmp_path / "store")]))
     assert len(stopped) == 1 and not kv_connector._started  # the single-instance server, started before the failure
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("kv_cache_dtype", ["--parts", "atention"]),  # a typo ran nothing and exited 0
+    ("kv_cache_dtype", ["--rounds", "0"]),
+    ("kv_cache_dtype", ["--attention-threads", "2,0"]),
+    ("activation_dtype", ["--parts", "acuracy"]),
+    ("structured", ["--tasks", "bogus"]),
+    ("structured", ["--num-seqs", "0"]),
+    ("lora", ["--repeats", "0"]),
+    ("lora", ["--adapter-dir", "/nonexistent"]),
+])  # fmt: skip
+def test_bench_flags_are_checked_when_read(module, argv):
+    """Found by a review: each of these crashed after the model loaded, or did nothing at all."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        _args(importlib.import_module(f"pagedllm.bench.{module}").add_args, argv)
+
+
+def test_lora_bench_warms_more_adapters_than_prompts(tiny_llama_tok):
+    """--num-adapters above --num-prompts: the warm-up paired n adapters with fewer prompts."""
+    from pagedllm.bench import lora
+
+    args = _args(lora.add_args, ["--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--num-adapters", "3",
+                                 "--lora-rank", "4"])  # fmt: skip
+    result = lora.run(args, {"model": str(tiny_llama_tok), "dtype": "float32", "num_kv_blocks": 64})
+    assert result["num_adapters"] == 3 and result["3_adapters"]["output_tokens_per_s"] > 0
