@@ -90,7 +90,8 @@ class DiskKVStore(KVStore):
         except OSError as e:
             raise ValueError(f"kv_transfer_config.path {str(path)!r} is not a writable directory: {e}") from None
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file path -> size, least recently used first
+        # file path -> (size, mtime as this process last knew it), least recently used first
+        self._index: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self.total_bytes = 0
         self._scan()
 
@@ -124,21 +125,31 @@ class DiskKVStore(KVStore):
                     # (only the store's own: the root may be a shared folder with others' .tmp files)
                     _unlink(full)
         found.sort()
-        for _, full, size in found:
-            self._index[full] = size
+        for mtime, full, size in found:
+            self._index[full] = (size, mtime)
             self.total_bytes += size
         if found:
             logger.info("KV store %s: %d block files, %.1f MiB (cap %.1f MiB)", self.root, len(found),
                         self.total_bytes / (1 << 20), self.max_bytes / (1 << 20))  # fmt: skip
 
     def _remember(self, path: str, size: int) -> None:
+        """``path`` (``size`` bytes) was just written or read: the most recent. Over the cap, the
+        least recent files go - but one another process read since this one last saw it (a
+        consumer's hit touches the file's mtime) is moved up instead: the producer's own order
+        alone evicted the hottest prefix first, since it was written first."""
+        now = time.time()
         with self._lock:
             old = self._index.pop(path, None)
-            self.total_bytes += size - (old or 0)
-            self._index[path] = size
-            victims = []
+            self.total_bytes += size - (old[0] if old else 0)
+            self._index[path] = (size, now)
+            victims, second_chances = [], len(self._index)
             while self.total_bytes > self.max_bytes and self._index:
-                victim, vsize = self._index.popitem(last=False)
+                victim, (vsize, seen) = self._index.popitem(last=False)
+                used = _mtime(victim)
+                if used is not None and used > seen and second_chances > 0:
+                    second_chances -= 1
+                    self._index[victim] = (vsize, used)
+                    continue
                 self.total_bytes -= vsize
                 victims.append(victim)
         for victim in victims:
@@ -146,9 +157,9 @@ class DiskKVStore(KVStore):
 
     def _forget(self, path: str) -> None:
         with self._lock:
-            size = self._index.pop(path, None)
-            if size is not None:
-                self.total_bytes -= size
+            entry = self._index.pop(path, None)
+            if entry is not None:
+                self.total_bytes -= entry[0]
 
     def path_of(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
@@ -160,8 +171,13 @@ class DiskKVStore(KVStore):
 
     # ------------------------------------------------------------------ KVStore
     def contains(self, block_hash: bytes) -> bool:
+        """Whether the block's file exists now (one stat): the index may still list a file that
+        another process evicted or someone deleted, which must then be saved again."""
         path = self.path_of(block_hash)
-        return str(path) in self._index or path.exists()
+        if path.exists():
+            return True
+        self._forget(str(path))
+        return False
 
     def get(self, block_hash: bytes) -> memoryview | None:
         path = self.path_of(block_hash)
@@ -240,3 +256,10 @@ def _unlink(path: str) -> None:
         pass
     except OSError as e:
         logger.warning("KV store: cannot delete %s: %s", path, e)
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None

@@ -111,9 +111,11 @@ class SchedulerConnector:
             bs = self.block_size
             for s in out.scheduled:
                 known_end = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
-                first, end = s.num_computed_tokens // bs, known_end // bs
-                # (min: after a preemption the request computes its blocks again from 0)
-                first = min(self._saved_blocks.get(s.req_id, first), first)
+                end = known_end // bs
+                # From block 0 on a request's first step: blocks its prompt found in the local
+                # prefix cache are saved too when the store lost them (evicted, deleted). min:
+                # after a preemption the request computes its blocks again from 0.
+                first = min(self._saved_blocks.get(s.req_id, 0), s.num_computed_tokens // bs)
                 if end <= first:
                     continue
                 self._saved_blocks[s.req_id] = end

@@ -127,6 +127,20 @@ def test_lru_eviction_under_the_cap(tmp_path):
     assert s.contains(h(0)) and not s.contains(h(1)) and s.contains(h(2)) and s.contains(h(3))
 
 
+def test_eviction_counts_another_processs_reads(tmp_path):
+    """A consumer's hits touch the files; the producer evicted by its own write order anyway, so
+    the hottest prefix - written first - went first (found by a review)."""
+    size = HEADER.size + 1000
+    producer, consumer = store(tmp_path, max_bytes=3 * size), store(tmp_path)
+    for i in range(3):
+        producer.put(h(i), payload(i))
+    time.sleep(0.01)
+    assert consumer.get(h(0)) is not None  # another process reads 0: now the most recently used
+    producer.put(h(3), payload(3))
+    assert producer.contains(h(0)) and not producer.contains(h(1))
+    assert producer.total_bytes == 3 * size and producer.num_files == 3
+
+
 def test_lru_order_survives_a_restart(tmp_path):
     size = HEADER.size + 1000
     s = store(tmp_path, max_bytes=3 * size)

@@ -214,3 +214,20 @@ def test_an_engine_ended_without_close_stops_its_saver_and_keeps_its_saves(tiny_
     again = make_llm(tiny_llama, tmp_path / "store")  # what the first queued was written
     assert run(again) == cold and totals(again).num_hit_blocks > 0
     again.shutdown()
+
+
+def test_blocks_served_from_the_local_prefix_cache_are_saved_again_when_the_store_lost_them(tiny_llama, tmp_path):
+    """A producer whose store evicted (or lost) a prompt's blocks must save them again when the
+    prompt comes back; it saved only the blocks it computed, and a prefix-cache hit computes
+    none, so the consumer recomputed that prefix forever (found by a review)."""
+    import shutil
+
+    store = tmp_path / "store"
+    llm = make_llm(tiny_llama, store, kv={"kv_role": "kv_producer"}, enable_prefix_caching=True)
+    run(llm, PROMPTS[:1])
+    saved = sorted(p.name for p in store.rglob("*") if p.is_file())
+    assert saved
+    shutil.rmtree(store)
+    store.mkdir()
+    run(llm, PROMPTS[:1])  # the same prompt: its full blocks come from the local prefix cache
+    assert sorted(p.name for p in store.rglob("*") if p.is_file()) == saved
