@@ -191,8 +191,11 @@ class CapacityReport:
 def beside_model(config: EngineConfig, arch: ModelArch, max_model_len: int, kv: KVCapacity, native: bool) -> dict[str, int]:
     """Bytes of what runs beside the model, at most: LoRA's slots (lora/slots.py), their panels
     (made when a slot first runs) and the adapters kept loaded; a drafter's weights and its own
-    KV pool (spec_decode/draft_cache.py: as many blocks as the target's, committed as written)."""
+    KV pool (spec_decode/draft_cache.py: as many blocks as the target's, committed as written);
+    the swap pool of ``preemption_mode="swap"`` when it is in memory (not a ``swap_path`` file)."""
     out: dict[str, int] = {}
+    if config.preemption_mode == "swap" and not config.swap_path:
+        out[f"swap pool ({config.swap_space:g} GiB)"] = int(config.swap_space * (1 << 30) // kv.block_bytes) * kv.block_bytes
     if config.enable_lora:
         out.update(_lora_bytes(config, arch, native))
     spec = config.speculative_config

@@ -209,3 +209,15 @@ def test_estimate_counts_the_shipped_heads(method):
     assert beside["draft LM-head rows"] == drafter.lm_head.grouped.nbytes
     if method == "eagle":
         assert beside["EAGLE KV pool"] == sum(t.nbytes for k, v in drafter.cache.layers for p in (k, v) for t in cache_parts(p))
+
+
+def test_estimate_counts_the_swap_pool_in_memory(tiny_llama):
+    """With preemption_mode="swap" the engine holds a second pool of swap_space GiB; the total
+    left it out (found by a review), though the engine's memory check counts it."""
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, preemption_mode="swap", swap_space=0.001)
+    report = estimate(config)
+    engine = LLMEngine(config, log_stats_interval=0)
+    held = sum(t.nbytes for k, v in engine.runner.swap_caches for pool in (k, v) for t in cache_parts(pool))
+    assert held > 0 and sum(report.beside.values()) == held
+    assert report.to_dict()["total_bytes_all_replicas"] == report.weights.total + report.kv.pool_bytes + held
+    assert estimate(EngineConfig(model=str(tiny_llama), num_kv_blocks=64)).beside == {}
