@@ -90,10 +90,18 @@ async def _one(client, url: str, body: dict, headers: dict) -> _Result:
 
 
 def _stats(values: list[float]) -> dict[str, float]:
+    """ms figures of ``values`` (seconds); zeros with a count of 0 when there are none (a TPOT
+    of one-token answers), which the summary line prints as n/a."""
     if not values:
-        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
-    return {"mean": 1e3 * statistics.mean(values), "median": 1e3 * statistics.median(values),
+        return {"count": 0, "mean": 0.0, "median": 0.0, "p99": 0.0}
+    return {"count": len(values), "mean": 1e3 * statistics.mean(values), "median": 1e3 * statistics.median(values),
             "p99": 1e3 * percentile(values, 99)}
+
+
+def _median_p99(name: str, stats: dict, digits: int) -> str:
+    if not stats.get("count", 1):
+        return f"{name} n/a"
+    return f"{name} median {stats['median']:.{digits}f} / p99 {stats['p99']:.{digits}f} ms"
 
 
 async def _served_model(client, base_url: str, headers: dict) -> str:
@@ -167,12 +175,14 @@ async def _run(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     res = asyncio.run(_run(args))
-    t, p = res["ttft_ms"], res["tpot_ms"]
     line = (
         f"Serving ({res['workload']}, rate {res['request_rate']}, concurrency {res['max_concurrency']}): "
         f"{res['successful_requests']} ok, {res['failed_requests']} failed in {res['duration_s']:.1f} s; "
         f"{res['request_throughput']:.2f} req/s, {res['output_token_throughput']:.1f} output tok/s; "
-        f"TTFT median {t['median']:.0f} / p99 {t['p99']:.0f} ms; TPOT median {p['median']:.1f} / p99 {p['p99']:.1f} ms"
+        f"{_median_p99('TTFT', res['ttft_ms'], 0)}; {_median_p99('TPOT', res['tpot_ms'], 1)}"
         + (f"; goodput {res['goodput']:.2f} req/s" if res["goodput"] is not None else "")
     )
-    return report(res, line, args.save_result)
+    report(res, line, args.save_result)
+    if not res["successful_requests"]:  # nothing was measured: an error, not a result
+        raise ValueError(f"every request failed, e.g.: {res['errors'][0] if res['errors'] else 'no answer'}")
+    return res

@@ -198,3 +198,23 @@ def test_lora_bench_warms_more_adapters_than_prompts(tiny_llama_tok):
                                  "--lora-rank", "4"])  # fmt: skip
     result = lora.run(args, {"model": str(tiny_llama_tok), "dtype": "float32", "num_kv_blocks": 64})
     assert result["num_adapters"] == 3 and result["3_adapters"]["output_tokens_per_s"] > 0
+
+
+def test_bench_serve_says_n_a_for_no_values_and_fails_when_every_request_did(monkeypatch, capsys):
+    """Found by a review: one-token answers printed a TPOT of 0.0 ms, and a run whose every
+    request failed exited 0 with the reason only in the JSON."""
+    from pagedllm.bench import serve
+
+    async def one_token(client, url, body, headers):
+        return serve._Result(ok=True, ttft=0.1, e2e=0.1, output_tokens=1)
+
+    async def refused(client, url, body, headers):
+        return serve._Result(ok=False, error="HTTP 404: no such model")
+
+    argv = ["--num-prompts", "2", "--input-len", "8", "--output-len", "1", "--model", "m", "--base-url", "http://127.0.0.1:9"]
+    monkeypatch.setattr(serve, "_one", one_token)
+    res = serve.run(_args(serve.add_args, argv))
+    assert res["tpot_ms"]["count"] == 0 and "TPOT n/a" in capsys.readouterr().out
+    monkeypatch.setattr(serve, "_one", refused)
+    with pytest.raises(ValueError, match="every request failed, e.g.: HTTP 404"):
+        serve.run(_args(serve.add_args, argv))
