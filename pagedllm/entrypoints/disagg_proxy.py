@@ -165,13 +165,22 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await relay("/v1/chat/completions", request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
+    async def passthrough(request: Request) -> Response:
+        """Requests without a prefill leg (models, tokenizer) go to the decode instance as sent."""
+        headers = forward_headers(request)
+        if "content-type" in request.headers:
+            headers["content-type"] = request.headers["content-type"]
         try:
-            r = await client.get(decode_url + "/v1/models", headers=forward_headers(request), timeout=10.0)
+            r = await client.request(request.method, decode_url + request.url.path, params=request.query_params,
+                                     content=await request.body(), headers=headers, timeout=30.0)  # fmt: skip
         except httpx.HTTPError as e:
             return _error(503, f"the decode instance is unreachable: {type(e).__name__}", "ServiceUnavailableError")
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    app.add_api_route("/v1/models", passthrough, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", passthrough, methods=["GET"])
+    app.add_api_route("/tokenize", passthrough, methods=["POST"])
+    app.add_api_route("/detokenize", passthrough, methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:

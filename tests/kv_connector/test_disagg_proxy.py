@@ -61,6 +61,14 @@ class Instance:
                 await asyncio.sleep(0.02)
             return JSONResponse({"choices": [{"text": "ok"}]})
 
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> Response:
+            return JSONResponse({"tokens": [len(await request.body())]})
+
+        @app.get("/v1/models/{model_id}")
+        async def model(model_id: str) -> Response:
+            return JSONResponse({"id": model_id, "object": "model"})
+
         self.served = Served(app)
         self.url = self.served.url
 
@@ -124,3 +132,11 @@ def test_the_request_id_reaches_the_instances_and_a_down_decode_is_a_503(setup):
     _, _, down = setup(decode_down=True)
     r = httpx.get(f"{down}/v1/models", timeout=20)
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_model_and_tokenizer_routes_reach_the_decode_instance(setup):
+    _, decode, url = setup()
+    body = b'{"prompt": "abc"}'  # passed on byte for byte (the fake answers with its length)
+    assert httpx.post(f"{url}/tokenize", content=body, timeout=10).json() == {"tokens": [len(body)]}
+    assert httpx.get(f"{url}/v1/models/m", timeout=10).json()["id"] == "m"
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}, timeout=10).status_code == 404  # the instance's answer
