@@ -132,9 +132,10 @@ def _line(name: str, r: dict, iters: int) -> str:
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
-    if workload_from_args(args).output_len < 2:
+    w = workload_from_args(args)
+    if w.output_len < 2:
         raise ValueError("--output-len must be at least 2: ms per output token needs a token after the first")
-    name = args.text_prompts or workload_from_args(args).name
+    name = args.text_prompts or w.name
     spec = engine_kwargs.get("speculative_config")
     sampling = sampling_from_args(args)
     result = {"workload": name, "speculative_config": spec, "sampling": sampling}

@@ -89,6 +89,7 @@ class KVCapacity:
     max_request_tokens: int  # the most tokens one request runs in a step (scheduler.max_request_tokens)
     windows: tuple[int | None, ...]
     context_len: int  # the context length the concurrency figure is for
+    num_swap_blocks: int = 0  # the swap pool of preemption_mode="swap" (startup.kv_cache_sizes)
 
     @property
     def bytes_per_token(self) -> int:
@@ -194,8 +195,8 @@ def beside_model(config: EngineConfig, arch: ModelArch, max_model_len: int, kv: 
     KV pool (spec_decode/draft_cache.py: as many blocks as the target's, committed as written);
     the swap pool of ``preemption_mode="swap"`` when it is in memory (not a ``swap_path`` file)."""
     out: dict[str, int] = {}
-    if config.preemption_mode == "swap" and not config.swap_path:
-        out[f"swap pool ({config.swap_space:g} GiB)"] = int(config.swap_space * (1 << 30) // kv.block_bytes) * kv.block_bytes
+    if kv.num_swap_blocks and not config.swap_path:
+        out[f"swap pool ({config.swap_space:g} GiB)"] = kv.num_swap_blocks * kv.block_bytes
     if config.enable_lora:
         out.update(_lora_bytes(config, arch, native))
     spec = config.speculative_config
@@ -502,7 +503,7 @@ def kv_capacity(config: EngineConfig, arch: ModelArch, max_model_len: int, conte
         config.block_size, sizes.num_blocks, sizes.block_bytes, len(sizes.layout.groups), arch.num_layers,
         resolve_kv_cache_dtype(config.kv_cache_dtype, config.torch_dtype).name, max_model_len,
         max_request_tokens(config.max_num_batched_tokens, config.long_prefill_token_threshold, config.num_speculative_tokens),
-        sizes.layout.windows, context,
+        sizes.layout.windows, context, sizes.num_swap_blocks,
     )  # fmt: skip
 
 

@@ -66,6 +66,10 @@ def _error(status: int, message: str, type_: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": status}}, status_code=status)
 
 
+def _decode_unreachable(e: Exception) -> JSONResponse:
+    return _error(503, f"the decode instance is unreachable: {type(e).__name__}", "ServiceUnavailableError")
+
+
 async def unless_disconnected(request: Request, work: Any) -> tuple[bool, Any]:
     """(True, result) of awaiting ``work``, or (False, None) once the client has gone first:
     ``work`` is then cancelled, which closes its upstream connection, so the instance aborts the
@@ -143,7 +147,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             arrived, upstream = await unless_disconnected(request, send)
         except httpx.HTTPError as e:
             logger.error("decode instance unreachable: %s: %s", type(e).__name__, e)
-            return _error(503, f"the decode instance is unreachable: {type(e).__name__}", "ServiceUnavailableError")
+            return _decode_unreachable(e)
         if not arrived:
             return Response(status_code=499)
 
@@ -174,7 +178,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             r = await client.request(request.method, decode_url + request.url.path, params=request.query_params,
                                      content=await request.body(), headers=headers, timeout=30.0)  # fmt: skip
         except httpx.HTTPError as e:
-            return _error(503, f"the decode instance is unreachable: {type(e).__name__}", "ServiceUnavailableError")
+            return _decode_unreachable(e)
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     app.add_api_route("/v1/models", passthrough, methods=["GET"])
