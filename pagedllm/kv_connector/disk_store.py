@@ -18,6 +18,7 @@ knows, so the total can briefly exceed it).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import re
@@ -134,24 +135,37 @@ class DiskKVStore(KVStore):
 
     def _remember(self, path: str, size: int) -> None:
         """``path`` (``size`` bytes) was just written or read: the most recent. Over the cap, the
-        least recent files go - but one another process read since this one last saw it (a
-        consumer's hit touches the file's mtime) is moved up instead: the producer's own order
-        alone evicted the hottest prefix first, since it was written first."""
+        least recent files go. This process knows only its own reads and writes; another
+        process's read touches the file's mtime, so an entry whose file is newer than the index
+        says is put back where that mtime places it, among the entries still to compare (the
+        producer's own order alone evicted the hottest prefix first, since it was written first;
+        and putting read files back behind the block just written evicted that block, unread)."""
         now = time.time()
         with self._lock:
             old = self._index.pop(path, None)
             self.total_bytes += size - (old[0] if old else 0)
             self._index[path] = (size, now)
-            victims, second_chances = [], len(self._index)
-            while self.total_bytes > self.max_bytes and self._index:
-                victim, (vsize, seen) = self._index.popitem(last=False)
-                used = _mtime(victim)
-                if used is not None and used > seen and second_chances > 0:
-                    second_chances -= 1
-                    self._index[victim] = (vsize, used)
-                    continue
+            victims: list[str] = []
+            moved: list[tuple[float, str, int]] = []  # (real mtime, path, size), oldest first
+            while self.total_bytes > self.max_bytes and (self._index or moved):
+                head = next(iter(self._index.items()), None)
+                if moved and (head is None or moved[0][0] <= head[1][1]):
+                    _, victim, vsize = moved.pop(0)
+                else:
+                    victim, (vsize, seen) = self._index.popitem(last=False)
+                    used = _mtime(victim) if victim != path else None
+                    if used is not None and used > seen:
+                        bisect.insort(moved, (min(used, now), victim, vsize))
+                        continue
                 self.total_bytes -= vsize
                 victims.append(victim)
+            if moved:  # the survivors go back just before the file just written (its mtime is
+                # the newest), oldest first: O(moved), where a full re-sort would be O(files)
+                last = self._index.pop(path, None)
+                for used, p, sz in moved:
+                    self._index[p] = (sz, used)
+                if last is not None:
+                    self._index[path] = last
         for victim in victims:
             _unlink(victim)
 

@@ -141,6 +141,22 @@ def test_eviction_counts_another_processs_reads(tmp_path):
     assert producer.total_bytes == 3 * size and producer.num_files == 3
 
 
+def test_blocks_a_consumer_read_never_push_out_the_block_just_written(tmp_path):
+    """Disaggregated serving: the consumer reads every block the producer writes. The second
+    chance for read files once put them all behind the new block, so the new block was the
+    one evicted, before anyone could read it (found by a review)."""
+    size = HEADER.size + 1000
+    producer, consumer = store(tmp_path, max_bytes=3 * size), store(tmp_path)
+    for i in range(8):
+        producer.put(h(i), payload(i))
+        time.sleep(0.01)
+        assert consumer.get(h(i)) is not None, f"block {i} was evicted as it was written"
+        time.sleep(0.01)
+        assert producer.num_files == min(i + 1, 3)
+    # LRU among the read files: the three most recently read stay.
+    assert [producer.contains(h(i)) for i in range(8)] == [False] * 5 + [True] * 3
+
+
 def test_lru_order_survives_a_restart(tmp_path):
     size = HEADER.size + 1000
     s = store(tmp_path, max_bytes=3 * size)
