@@ -68,8 +68,8 @@ def make_kv_connector(config: KVTransferConfig, fingerprint: ModelFingerprint, b
     if config.saves:
         store.check_writable()
     saver = BlockSaver(store, stats) if config.saves else None
-    connector = KVConnector(config, fingerprint, store, stats, SchedulerConnector(store, config, block_size, block_bytes, stats),
-                            WorkerConnector(saver, stats, store), saver)  # fmt: skip
+    scheduler = SchedulerConnector(store, config, block_size, block_bytes, stats, saver.is_pending if saver else None)
+    connector = KVConnector(config, fingerprint, store, stats, scheduler, WorkerConnector(saver, stats, store), saver)
     # An engine dropped, or an offline run ended, without close() still writes what it queued
     # and stops its saver thread (which holds the saver and store, not the connector).
     connector.on_drop = weakref.finalize(connector, _close, saver, store)

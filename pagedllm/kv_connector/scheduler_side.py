@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pagedllm.config import KVTransferConfig
 from pagedllm.kv_connector.base import BlockSave, KVConnectorMetadata, KVStore, RequestLoad, StatsBox
@@ -40,8 +40,11 @@ class _Lookup:
 
 
 class SchedulerConnector:
-    def __init__(self, store: KVStore, config: KVTransferConfig, block_size: int, block_bytes: int, stats: StatsBox):
+    def __init__(self, store: KVStore, config: KVTransferConfig, block_size: int, block_bytes: int, stats: StatsBox,
+                 saving: Callable[[bytes], bool] | None = None):  # fmt: skip
         self.store = store
+        # Whether a block is queued for saving but not yet written (the saver's is_pending).
+        self.saving = saving or (lambda block_hash: False)
         self.config = config
         self.block_size = block_size
         self.block_bytes = block_bytes  # a payload's length: anything else is never loaded
@@ -109,6 +112,7 @@ class SchedulerConnector:
             del self._saved_blocks[req_id]
         if self.config.saves:
             bs = self.block_size
+            queued: set[bytes] = set()
             for s in out.scheduled:
                 known_end = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
                 end = known_end // bs
@@ -121,6 +125,10 @@ class SchedulerConnector:
                 self._saved_blocks[s.req_id] = end
                 hashes = kv.block_hashes(s.req_id, requests[s.req_id].all_token_ids, known_end, requests[s.req_id].cache_keys)
                 for i in range(first, end):
-                    if not self.store.contains(hashes[i]):
-                        meta.saves.append(BlockSave(s.req_id, s.block_ids[i], hashes[i]))
+                    # Not a block the saver has yet to write (another request on the same
+                    # cached prefix queued it), nor one queued by this step already.
+                    if hashes[i] in queued or self.saving(hashes[i]) or self.store.contains(hashes[i]):
+                        continue
+                    meta.saves.append(BlockSave(s.req_id, s.block_ids[i], hashes[i]))
+                    queued.add(hashes[i])
         return meta or None

@@ -57,6 +57,8 @@ class BlockSaver:
         self._queued = 0  # sequence number of the last batch queued
         self._done = 0  # ... and of the last one written
         self._waiters: list[tuple[int, Callable[[], None]]] = []
+        # Hashes queued and not yet written (a count each: two requests may queue one block).
+        self._pending: dict[bytes, int] = {}
         self._thread = threading.Thread(target=self._run, name="pagedllm-kv-saver", daemon=True)
         self._thread.start()
 
@@ -71,8 +73,16 @@ class BlockSaver:
             self._backlog += nbytes
             self._queued += 1
             seq = self._queued
+            for block_hash, _ in items:
+                self._pending[block_hash] = self._pending.get(block_hash, 0) + 1
         self._queue.put((seq, (items, buffer, pool), nbytes))
         return True
+
+    def is_pending(self, block_hash: bytes) -> bool:
+        """Whether the block is queued and not yet written: the scheduler must not queue it
+        again just because its file does not exist yet."""
+        with self._cond:
+            return block_hash in self._pending
 
     def when_saved(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from the saver thread, or now) once everything queued so far is written."""
@@ -97,6 +107,7 @@ class BlockSaver:
             if seq is None:
                 return
             items, buffer, pool = batch
+            hashes = [block_hash for block_hash, _ in items]
             saved = saved_bytes = failed = 0
             try:
                 for block_hash, payload in items:
@@ -117,6 +128,10 @@ class BlockSaver:
             with self._cond:
                 self._backlog -= nbytes
                 self._done = seq
+                for block_hash in hashes:
+                    left = self._pending.pop(block_hash) - 1
+                    if left:
+                        self._pending[block_hash] = left
                 ready = [cb for s, cb in self._waiters if s <= seq]
                 self._waiters = [(s, cb) for s, cb in self._waiters if s > seq]
                 self._cond.notify_all()

@@ -231,3 +231,41 @@ def test_blocks_served_from_the_local_prefix_cache_are_saved_again_when_the_stor
     store.mkdir()
     run(llm, PROMPTS[:1])  # the same prompt: its full blocks come from the local prefix cache
     assert sorted(p.name for p in store.rglob("*") if p.is_file()) == saved
+
+
+def test_a_block_waiting_for_the_saver_is_not_queued_again(tiny_llama, tmp_path, monkeypatch):
+    """The same prompt again while the saver is behind: its blocks come from the local prefix
+    cache and their files do not exist yet. They were queued again on every such request
+    (a review counted 33 writes for 10 blocks), growing the backlog until saves were dropped."""
+    import collections
+    import threading
+    import time
+
+    from pagedllm.kv_connector.disk_store import SUFFIX, DiskKVStore
+
+    gate = threading.Event()
+    puts: collections.Counter = collections.Counter()
+    put = DiskKVStore.put
+
+    def slow_put(self, block_hash, payload):
+        gate.wait(30)  # the saver is stuck until every request has been scheduled
+        puts[block_hash] += 1
+        return put(self, block_hash, payload)
+
+    monkeypatch.setattr(DiskKVStore, "put", slow_put)
+    llm = make_llm(tiny_llama, tmp_path / "store", kv={"kv_role": "kv_producer"}, enable_prefix_caching=True)
+    prompt = PROMPTS[1]  # 100 tokens: 6 full blocks
+    first = [list(o.outputs[0].token_ids) for o in llm.generate([prompt], GREEDY, use_tqdm=False)]
+    for _ in range(3):
+        assert [list(o.outputs[0].token_ids) for o in llm.generate([prompt], GREEDY, use_tqdm=False)] == first
+    time.sleep(0.05)
+    gate.set()
+    assert llm.llm_engine.kv_connector.flush(timeout=30)
+    assert len(puts) >= 6 and set(puts.values()) == {1}, puts.values()
+    # A block written and then lost is still saved again (the store says so, not the queue).
+    files = list((tmp_path / "store").rglob(f"*{SUFFIX}"))
+    assert len(files) == len(puts)
+    for path in files:
+        path.unlink()
+    run(llm, [prompt])
+    assert set(puts.values()) == {2}
