@@ -24,7 +24,7 @@ from pagedllm.bench.common import (
     workload_from_args,
 )
 from pagedllm.bench.throughput import parallel_line, parallel_stats
-from pagedllm.bench.workloads import TEXT_PROMPTS
+from pagedllm.bench.workloads import TEXT_PROMPTS, Workload
 from pagedllm.engine.stats import SpecDecodeStats
 from pagedllm.entrypoints.arg_types import positive_int
 
@@ -58,11 +58,10 @@ def _one(engine, prompt: list[int], params, request_id: str) -> tuple[float, lis
     return ttft, gaps, time.process_time() - cpu_first
 
 
-def _measure(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+def _measure(args: argparse.Namespace, w: Workload, engine_kwargs: dict) -> dict:
     """TTFT and ms per output token of one engine over the iterations (prompts one at a time)."""
     from pagedllm import LLM
 
-    w = workload_from_args(args)
     llm = LLM(**engine_kwargs)
     if args.text_prompts:
         tok = llm.get_tokenizer()
@@ -142,10 +141,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     name += "".join(f", {k} {v}" for k, v in sampling.items())
     lines = []
     if spec and args.compare_plain:
-        plain = _measure(args, {**engine_kwargs, "speculative_config": None})
+        plain = _measure(args, w, {**engine_kwargs, "speculative_config": None})
         result["plain"] = plain
         lines.append(_line(f"{name}, plain", plain, args.num_iters))
-    result.update(_measure(args, engine_kwargs))
+    result.update(_measure(args, w, engine_kwargs))
     lines.append(_line(f"{name}, speculative" if spec else name, result, args.num_iters))
     if "plain" in result:
         speedup = result["plain"]["ms_per_output_token"]["mean"] / result["ms_per_output_token"]["mean"]

@@ -62,8 +62,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _error(status: int, message: str, type_: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": status}}, status_code=status)
+def _error(status: int, message: str, type_: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _decode_unreachable(e: Exception) -> JSONResponse:
@@ -105,7 +106,8 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI-style bodies
-        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "BadRequestError")
+        type_ = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        return _error(exc.status_code, str(exc.detail), type_, exc.headers)  # (a 405's Allow)
 
     def forward_headers(request: Request) -> dict[str, str]:
         return {k: request.headers[k] for k in _FORWARD_HEADERS if k in request.headers}
@@ -179,7 +181,8 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                                      content=await request.body(), headers=headers, timeout=30.0)  # fmt: skip
         except httpx.HTTPError as e:
             return _decode_unreachable(e)
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        kept = {k: v for k, v in r.headers.items() if k.lower() not in _DROP_HEADERS}  # (x-request-id, ...)
+        return Response(r.content, status_code=r.status_code, headers=kept)
 
     app.add_api_route("/v1/models", passthrough, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", passthrough, methods=["GET"])

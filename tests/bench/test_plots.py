@@ -141,7 +141,7 @@ def _write_spec_latency(monkeypatch, path: Path, workload: str, method: str, spe
     """``bench latency --speculative-config ... --save-result path`` with a fake engine whose
     plain pass decodes 100 tok/s and whose speculative pass ``speedup`` times that."""
 
-    def fake_measure(args, kw):
+    def fake_measure(args, workload, kw):
         spec = kw.get("speculative_config")
         rate = 100.0 * (speedup if spec else 1.0)
         return {

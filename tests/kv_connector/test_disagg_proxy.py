@@ -63,7 +63,7 @@ class Instance:
 
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:
-            return JSONResponse({"tokens": [len(await request.body())]})
+            return JSONResponse({"tokens": [len(await request.body())]}, headers={"x-request-id": "from-instance"})
 
         @app.get("/v1/models/{model_id}")
         async def model(model_id: str) -> Response:
@@ -122,6 +122,7 @@ def test_bad_bodies_get_the_decode_instances_answer_or_a_400_never_a_500(setup):
     for method, path, status in (("GET", "/nowhere", 404), ("GET", "/v1/completions", 405)):
         r = httpx.request(method, f"{url}{path}", timeout=10)
         assert r.status_code == status and r.json()["error"]["code"] == status, r.text
+    assert r.headers["allow"] == "POST"  # the 405 says what is allowed, as the instance's own does
 
 
 def test_the_request_id_reaches_the_instances_and_a_down_decode_is_a_503(setup):
@@ -137,6 +138,7 @@ def test_the_request_id_reaches_the_instances_and_a_down_decode_is_a_503(setup):
 def test_model_and_tokenizer_routes_reach_the_decode_instance(setup):
     _, decode, url = setup()
     body = b'{"prompt": "abc"}'  # passed on byte for byte (the fake answers with its length)
-    assert httpx.post(f"{url}/tokenize", content=body, timeout=10).json() == {"tokens": [len(body)]}
+    r = httpx.post(f"{url}/tokenize", content=body, timeout=10)
+    assert r.json() == {"tokens": [len(body)]} and r.headers["x-request-id"] == "from-instance"  # its headers too
     assert httpx.get(f"{url}/v1/models/m", timeout=10).json()["id"] == "m"
     assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}, timeout=10).status_code == 404  # the instance's answer
