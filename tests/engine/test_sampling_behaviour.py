@@ -63,6 +63,11 @@ def test_min_tokens_masks_stop_tokens_until_reached(llm):
     ).outputs[0]
     assert len(out.token_ids) >= 7 or out.finish_reason == "length"
     assert stop_id not in out.token_ids[:6]
+    # The stop token pushed up: masked for exactly min_tokens tokens, then it stops the request.
+    forced = gen(llm, "Hello, my name is", temperature=0, max_tokens=24, stop_token_ids=[stop_id], min_tokens=6,
+                 logit_bias={stop_id: 100.0}).outputs[0]  # fmt: skip
+    assert forced.finish_reason == "stop" and forced.token_ids[-1] == stop_id and len(forced.token_ids) == 7
+    assert stop_id not in forced.token_ids[:6]
 
 
 def test_bad_words_are_never_generated(llm):
@@ -150,12 +155,14 @@ def test_n_samples_share_prompt_blocks(llm, prompt_len, expected_peak):
     assert kv.num_free_blocks == NUM_BLOCKS
 
 
-def test_n_samples_with_a_partial_last_block_copy_on_write(llm):
+def test_n_samples_share_the_full_blocks_and_compute_their_own_partial_block(llm):
+    """Parallel samples share the prompt's full blocks through the prefix cache (no block is
+    forked: copy-on-write is beam search's, tested there); each computes its partial block."""
     prompt = {"prompt_token_ids": list(range(2000, 2000 + 20))}  # 1 full + 1 partial block
     params = SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True)
     (out,) = llm.generate(prompt, params, use_tqdm=False)
     (single,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    # Greedy samples are identical and equal the single greedy run: the copied block is right.
+    # Greedy samples are identical and equal the single greedy run.
     assert all(c.token_ids == single.outputs[0].token_ids for c in out.outputs)
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 
@@ -181,6 +188,15 @@ def test_logprobs_and_prompt_logprobs_shapes(llm):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     for tid, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
         assert tid in entry and len(entry) <= 3
+    # Values, not just shapes: the prompt's position j scores what generating from the first
+    # j tokens would (the sampler's logprobs of the raw logits), for its top-2 tokens.
+    ids = out.prompt_token_ids
+    for j in (2, len(ids) - 1):
+        first = gen(llm, {"prompt_token_ids": ids[:j]}, temperature=0, max_tokens=1, logprobs=2).outputs[0].logprobs[0]
+        ranked = {t: lp.logprob for t, lp in out.prompt_logprobs[j].items() if lp.rank <= 2}
+        assert len(ranked) == 2
+        for t, lp in ranked.items():
+            assert abs(first[t].logprob - lp) < 1e-4, (j, t)
 
 
 def test_chat_renders_the_template_and_rejects_malformed_messages(llm):

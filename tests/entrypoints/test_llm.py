@@ -67,12 +67,20 @@ def test_stop_token_ids_end_the_request(llm):
 def test_eos_ends_the_request_unless_ignored(llm):
     eos = 2
     assert eos in llm.llm_engine.eos_token_ids  # the tiny config says eos_token_id=2
-    params = SamplingParams(temperature=1.0, max_tokens=60, seed=0)
+    # EOS made likely (not certain) by a bias, so it turns up somewhere in most samples.
+    params = SamplingParams(temperature=1.0, max_tokens=60, logit_bias={eos: 4.0})
     outs = llm.generate([tok([11, 12])] * 6, params, use_tqdm=False)
     for o in outs:
         ids = o.outputs[0].token_ids
         assert eos not in ids[:-1]
         assert (o.outputs[0].finish_reason == "stop") == (ids[-1] == eos)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 3  # (else this checks nothing)
+    forced = SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 100.0})
+    out = llm.generate(tok([11, 12]), forced, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    ignored = SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 100.0}, ignore_eos=True)
+    out = llm.generate(tok([11, 12]), ignored, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] * 5 and out.finish_reason == "length"
 
 
 def test_seed_makes_sampling_reproducible_whatever_the_batch(llm):

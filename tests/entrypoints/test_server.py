@@ -516,3 +516,26 @@ def test_tokenize_renders_messages_with_the_requests_template_arguments_as_chat_
     tokenized = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages, **kwargs}, timeout=30).json()
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1, **kwargs}, timeout=30).json()
     assert tokenized["count"] == chat["usage"]["prompt_tokens"]
+
+
+def test_preemption_and_step_size_metrics(tiny_llama_tok):
+    """A pool too small for four requests at once: preemptions are counted, and the steps'
+    token histogram holds every computed token (recomputed ones too)."""
+    srv = ServerProcess(["--model", str(tiny_llama_tok), "--dtype", "float32", "--num-kv-blocks", "16",
+                         "--max-model-len", "128", "--max-num-seqs", "4"])  # fmt: skip
+    try:
+        body = {"model": str(tiny_llama_tok), "prompt": [list(range(3, 23))], "max_tokens": 80, "ignore_eos": True}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as ac:
+                return await asyncio.gather(*[ac.post(f"{srv.url}/v1/completions", json=body) for _ in range(4)])
+
+        responses = asyncio.run(burst())  # 4 x 100 tokens need 28 blocks of 16; the pool has 16
+        assert [r.status_code for r in responses] == [200] * 4
+        assert all(r.json()["usage"]["completion_tokens"] == 80 for r in responses)
+        assert srv.metric("pagedllm:num_preemptions_total") > 0
+        computed_once = 4 * (20 + 80 - 1)  # the last token is sampled, never fed back
+        assert srv.metric("pagedllm:iteration_tokens_total_sum") > computed_once  # (and recomputation on top)
+        assert srv.metric("pagedllm:iteration_tokens_total_count") > 80
+    finally:
+        assert srv.stop() == 0

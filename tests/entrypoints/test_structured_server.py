@@ -71,9 +71,19 @@ def test_response_format_json_schema_and_json_object(client, model):
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}},
         extra_body={"structured_outputs": None},
     )  # fmt: skip
-    for choice in r.choices:
-        if choice.finish_reason == "stop":
-            assert valid_json(choice.message.content, PERSON_SCHEMA), choice.message.content
+    for choice in r.choices:  # (unconstrained, both samples run to the 200 tokens)
+        assert choice.finish_reason == "stop" and valid_json(choice.message.content, PERSON_SCHEMA), choice.message.content
+    # json_object: closing tokens pushed up, so strings and the object close as soon as the
+    # grammar allows (a random model would otherwise write to max_tokens); unconstrained, the
+    # text would be those tokens in any order.
+    url = str(client.base_url).removesuffix("/v1/")
+    bias = {}
+    for text in ('"', ":", "}"):
+        (token,) = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False}).json()["tokens"]
+        bias[str(token)] = 50
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=50, temperature=0,
+                                       response_format={"type": "json_object"}, logit_bias=bias)  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0]
     r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=200, temperature=0, extra_body=_compact(PERSON_SCHEMA))
     assert r.choices[0].finish_reason == "stop" and valid_json(r.choices[0].message.content, PERSON_SCHEMA)
     r = client.completions.create(model=model, prompt="Date:", max_tokens=20, temperature=0, extra_body={"guided_regex": DATE_REGEX})

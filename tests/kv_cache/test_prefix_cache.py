@@ -40,6 +40,17 @@ def test_two_requests_sharing_three_full_blocks():
     kv.check_integrity()
 
 
+def test_a_block_hash_names_its_whole_prefix_not_just_its_tokens():
+    """[S, S] after [S, T]: its second block holds S's tokens, like the cached first block, but
+    after a different prefix, so only the first block is a hit (block hashes are chained)."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    s, t = [5, 6, 7, 8], [9, 10, 11, 12]
+    admit(kv, "a", s + t + [1])
+    assert admit(kv, "b", s + s + [1]) == BS
+    assert admit(kv, "c", s + t + [2]) == 2 * BS
+    kv.check_integrity()
+
+
 def test_last_token_is_always_recomputed():
     kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
     tokens = list(range(8))  # exactly two blocks

@@ -62,6 +62,8 @@ def test_drafts_give_the_tokens_of_plain_decoding_greedy_and_seeded(tiny_llama_t
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     if "preemption" in config:
         assert llm.llm_engine.num_preemptions_total > 0
+    if config == "swap-preemption":  # swapped out, not recomputed
+        assert llm.llm_engine.kv_cache_manager.num_swap_outs > 0
     if config == "default":  # warm prefix cache: the same answers again
         warm = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in plain]
@@ -151,6 +153,24 @@ def test_self_draft_accepts_every_token_and_gives_plain_tokens(tiny_llama_tok, d
     assert drafter.num_free_blocks + held == llm.llm_engine.kv_cache_manager.num_blocks
     if "preemption" in config:
         assert llm.llm_engine.num_preemptions_total > 0
+    if config == "swap-preemption":  # swapped out, not recomputed
+        assert llm.llm_engine.kv_cache_manager.num_swap_outs > 0
+
+
+def test_the_model_as_its_own_draft_accepts_everything_at_every_position(tiny_llama_tok, default_tokenizer):
+    """Self-drafting: every draft token is accepted, so each draft counts at position 0, and
+    position j counts the drafts that had a token j (vLLM's per-position counter)."""
+    prompts = _prompts(default_tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tiny_llama_tok), "num_speculative_tokens": 4, "auto_length": False}
+    llm, got = _run(tiny_llama_tok, prompts, params, num_kv_blocks=256, speculative_config=spec)
+    _, plain = _run(tiny_llama_tok, prompts, params, num_kv_blocks=256)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    s = llm.llm_engine.stats.spec_total
+    assert s.num_drafts > 0 and s.num_accepted_tokens == s.num_draft_tokens
+    per_pos = s.accepted_per_pos
+    assert len(per_pos) == 4 and per_pos[0] == s.num_drafts and sum(per_pos) == s.num_accepted_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[3] > 0
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

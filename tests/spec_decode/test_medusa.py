@@ -71,6 +71,39 @@ def test_medusa_drafts_keep_greedy_tokens(tiny_llama_tok, tiny_heads, default_to
     assert llm.llm_engine.stats.spec_total.num_draft_tokens > 0
 
 
+def test_medusa_reads_the_hidden_state_that_sampled_the_newest_token(tiny_llama_tok, tiny_heads, monkeypatch):
+    """The tiny heads' drafts are never accepted, so a wrong hidden row kept the tokens exact.
+    Here the proposer's drafts are the plain run's own next tokens (all accepted): each
+    verifying step has several rows, and the heads must have read the one that sampled the
+    newest token - the dense forward's hidden state at the position before it."""
+    from pagedllm.entrypoints.train_draft_head.data import record
+
+    prompt = [(5 * j) % 200 + 3 for j in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=1e9)
+    plain = LLM(str(tiny_llama_tok), **kwargs).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    full = prompt + list(plain[0].outputs[0].token_ids)
+    seen = []
+    propose = MedusaProposer.propose
+
+    def oracle(self, req_ids, token_ids, limits, hidden):
+        propose(self, req_ids, token_ids, limits, hidden)
+        seen.extend((len(t), row.clone()) for t, row in zip(token_ids, hidden))
+        return [full[len(t) : len(t) + limit] for t, limit in zip(token_ids, limits)]
+
+    monkeypatch.setattr(MedusaProposer, "propose", oracle)
+    spec = {"method": "medusa", "model": str(tiny_heads), "num_speculative_tokens": 3, "auto_length": False}
+    llm = LLM(str(tiny_llama_tok), speculative_config=spec, **kwargs)
+    got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert list(got[0].outputs[0].token_ids) == full[len(prompt) :]
+    stats = llm.llm_engine.stats.spec_total
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    dense = record(llm, [(full, 0)]).features[0].float()  # (bf16)
+    assert len(seen) >= 3
+    for n, row in seen:
+        torch.testing.assert_close(row.float(), dense[n - 2], rtol=2e-2, atol=2e-2)
+
+
 def test_shipped_heads_fit_the_default_model():
     config = json.loads((DEFAULT_MEDUSA / "config.json").read_text())
     assert (config["method"], config["hidden_size"], config["vocab_size"]) == ("medusa", 576, 49152)
