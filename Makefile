@@ -36,7 +36,8 @@ serve: $(STAMP)
 # two workers' thread teams on two cores, the spinning ones starved the others (a tiny-model
 # server test ran >5 minutes beside the parity test instead of 15 s). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+# The 15 slowest tests close the report: where to look when the suite nears its 15 minutes.
+PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test: setup
 	$(PYTEST)
