@@ -68,10 +68,14 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
     }[model_type]
     model = model_cls(config).eval()
     # Random init gives near-uniform logits; sharpen them so greedy decoding has clear winners.
+    # Norm weights start all equal (1, or 0 for Gemma's 1 + w): perturb them, or a norm applied
+    # with another's weights (q_norm for k_norm) would go unnoticed (found by a mutation audit).
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:  # 3-D: a mixture of experts' stacked expert weights
                 p.mul_(4.0)
+            elif "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.1)
     model.save_pretrained(str(path))
     return path
 

@@ -88,7 +88,7 @@ def test_latency_acceptance_figures_leave_the_warm_up_out(tiny_llama_tok, monkey
         return out
 
     monkeypatch.setattr(latency, "_one", spy)
-    args = _args(latency.add_args, ["--input-len", "16", "--output-len", "24", "--num-iters", "2", "--no-compare-plain"])
+    args = _args(latency.add_args, ["--input-len", "16", "--output-len", "64", "--num-iters", "2", "--no-compare-plain"])
     engine = {"model": str(tiny_llama_tok), "dtype": "float32", "num_kv_blocks": 64, "log_stats_interval": 1e9,
               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}  # fmt: skip
     spec = latency.run(args, engine)["spec_decode"]

@@ -195,6 +195,22 @@ def test_slots_and_lru(base, adapters):
     assert LoRAManager.mapping([-1, -1], [4, 1]) is None
 
 
+def test_the_least_recently_used_slot_is_the_one_reused(base, adapters):
+    """Three slots, so a choice among several free ones: with max_loras=2 only one slot was ever
+    free, and reusing the most recently used one passed (found by a mutation audit)."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.startup import load_model
+
+    m = LoRAManager(load_model(EngineConfig(model=str(base))).model, max_loras=3, max_lora_rank=16, max_cpu_loras=4)
+    a, b, c, e = (lora(adapters, n, i + 1) for i, n in enumerate(["qv4", "all8-rslora", "mlp2", "ko16"]))
+    for step in ([a], [b], [c], [b], [c]):
+        m.prepare_step(step)
+    assert m.num_slot_loads == 3
+    m.prepare_step([e])  # a's slot was used longest ago
+    assert m.slot_of(1) is None and m.slot_of(2) is not None and m.slot_of(3) is not None
+    assert m.num_slot_loads == 4
+
+
 # ---------------------------------------------------------------------------- scheduling
 def _req(i: int, lora_id: int) -> Request:
     from pagedllm.sampling_params import SamplingParams as SP
@@ -252,8 +268,15 @@ def test_two_adapters_and_base_never_share_kv_blocks(base, adapters):
     assert [o.lora_request for o in outs] == [None, a, b]  # each output names its adapter, as vLLM's
 
 
-@pytest.mark.parametrize("config", [dict(), dict(num_kv_blocks=12, max_num_batched_tokens=16)], ids=["default", "preemption"])
+@pytest.mark.parametrize("config", [dict(), dict(num_kv_blocks=12, max_num_batched_tokens=16), dict(torch_only=True)],
+                         ids=["default", "preemption", "torch-kernels"])  # fmt: skip
 def test_mixed_batch_matches_transformers_with_merged_adapters(base, adapters, config):
+    """(torch-kernels: the slots' torch path, for machines without the native kernels.)"""
+    if config.get("torch_only"):
+        from pagedllm.kernels import ops
+
+        with ops.torch_only():
+            return test_mixed_batch_matches_transformers_with_merged_adapters(base, adapters, {})
     names = list(adapters)
     prompts = [[5, 9, 33, 71, 100, 3, 8], [17, 18, 19, 20, 21] * 6, [200, 201], [(3 * i) % 240 + 2 for i in range(40)]]
     # Every prompt with every adapter and the base; max_loras=2 makes adapters wait for a slot.

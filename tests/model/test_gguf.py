@@ -154,7 +154,7 @@ def test_every_gguf_type_runs_from_its_blocks_like_its_dequantized_twin(tmp_path
     for a, b in zip(runs["no"], runs["yes"]):
         assert a.token_ids == b.token_ids
         for lp_a, lp_b, tok in zip(a.logprobs, b.logprobs, a.token_ids):
-            assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 1e-4
+            assert abs(lp_a[tok].logprob - lp_b[tok].logprob) < 3e-4  # (sums in another order)
 
 
 def test_corrupt_gguf_is_a_clear_error(tmp_path):

@@ -212,6 +212,10 @@ def test_gguf_metadata_defaults_follow_llama_cpp(tmp_path):
     g3 = _arch_of(write_meta_only(tmp_path / "g3.gguf", "gemma3", gemma3))
     g3_27 = _arch_of(write_meta_only(tmp_path / "g3_27.gguf", "gemma3", gemma3, num_layers=62))
     assert (g3.query_pre_attn_scalar, g3_27.query_pre_attn_scalar) == (32, 64 // 4)
+    # Its local layers' RoPE base (not in the file: llama.cpp's 10000), and five local layers
+    # to one global, as transformers' Gemma3TextConfig.
+    assert g3_27.rope_local_theta == 10000.0 and g3_27.sliding_window == 8
+    assert g3_27.layer_types[:12] == [SLIDING] * 5 + [FULL] + [SLIDING] * 5 + [FULL]
 
     phi = _arch_of(write_meta_only(tmp_path / "phi.gguf", "phi3", lambda w: w.add_sliding_window(0)))
     assert phi.sliding_window is None and phi.layer_types is None and phi.head_dim == 16
