@@ -52,6 +52,19 @@ def test_include_stop_str_in_output(default_tokenizer):
     assert hit == "three" and detok.text == "one two three"
 
 
+def test_of_several_stop_strings_the_earliest_in_the_text_wins(default_tokenizer):
+    """Both stop strings end with the same token; the one that starts first cuts the text,
+    whatever the order of the list (vLLM's rule)."""
+    ids = default_tokenizer.encode("one two three four", add_special_tokens=False)
+    for stop in (["three", "two three"], ["two three", "three"]):
+        detok = IncrementalDetokenizer(default_tokenizer, SamplingParams(stop=stop))
+        hit = None
+        for t in ids:
+            if (hit := detok.update([t])) is not None:
+                break
+        assert hit == "two three" and detok.text == "one ", stop
+
+
 def test_special_tokens_skipped_or_kept(default_tokenizer):
     ids = default_tokenizer.encode("hi", add_special_tokens=False) + [default_tokenizer.eos_token_id]
     skip = IncrementalDetokenizer(default_tokenizer, SamplingParams())

@@ -120,6 +120,21 @@ def test_n_stop_logprobs_seed(client, model):
     for item in content:
         assert len(item.top_logprobs) == 3 and item.logprob <= 0
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.top_logprobs[2].logprob
+        # Greedy: the top entry is the chosen token itself; each entry names its own token.
+        assert (item.top_logprobs[0].token, item.top_logprobs[0].logprob) == (item.token, item.logprob)
+        assert len({t.token for t in item.top_logprobs}) == 3
+        assert all(t.bytes == list(t.token.encode()) for t in item.top_logprobs)
+    # Chat streamed with n=2 and logprobs: each choice's deltas add up to its unstreamed reply.
+    kw = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, temperature=1.0, seed=3,
+              logprobs=True, top_logprobs=2)  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    parts = list(client.chat.completions.create(stream=True, **kw))
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    for c in whole.choices:
+        mine = [d for ch in parts for d in ch.choices if d.index == c.index]
+        assert "".join(d.delta.content or "" for d in mine) == c.message.content
+        streamed = [(t.token, t.logprob) for d in mine if d.logprobs for t in d.logprobs.content]
+        assert streamed == [(t.token, t.logprob) for t in c.logprobs.content] and streamed
 
 
 def test_token_prompts_and_batches(client, model):
@@ -254,6 +269,9 @@ def test_token_counters_equal_usage_sums(tiny_llama_tok):
         # Each request's first token is its time to first token; each later step of its sequences
         # (n samples or beams advance together), one inter-token latency.
         assert srv.metric("pagedllm:inter_token_latency_seconds_count") == gaps
+        # Time to first token = waiting in the queue + the prefill, request by request.
+        queue_and_prefill = srv.metric("pagedllm:request_queue_time_seconds_sum") + srv.metric("pagedllm:request_prefill_time_seconds_sum")
+        assert queue_and_prefill == pytest.approx(srv.metric("pagedllm:time_to_first_token_seconds_sum"), abs=1e-6)
         # Per finished request, vLLM's length histograms: the prompt and the outputs as usage counts them.
         assert srv.metric("pagedllm:request_prompt_tokens_count") == srv.metric("pagedllm:request_generation_tokens_count") == 10
         assert srv.metric("pagedllm:request_prompt_tokens_sum") == prompt_sum
@@ -367,6 +385,14 @@ def test_echo_with_logprobs(client, model):
         for c in whole:
             got = [x for ch in parts for d in ch.choices if d.index == c.index for x in d.logprobs.text_offset]
             assert got == c.logprobs.text_offset and len(set(got)) == len(got) > 2
+    # Several prompts and n=2: choice index = prompt * n + sample, streamed as not.
+    kw = dict(model=model, prompt=["One prompt", "Another prompt"], max_tokens=4, n=2, temperature=1.0, seed=7)
+    whole = {c.index: c.text for c in client.completions.create(**kw).choices}
+    streamed: dict[int, str] = {}
+    for ch in client.completions.create(stream=True, **kw):
+        for d in ch.choices:
+            streamed[d.index] = streamed.get(d.index, "") + d.text
+    assert sorted(whole) == [0, 1, 2, 3] and streamed == whole
     zero = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
     tops = zero.choices[0].logprobs.top_logprobs
     assert tops[0] is None and all(list(t) == [tok] for t, tok in zip(tops[1:], zero.choices[0].logprobs.tokens[1:]))

@@ -175,6 +175,12 @@ def test_a_tool_result_turn_round_trips(client, model):
     ]
     follow = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=10, temperature=0)
     assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
+    # tool_choice "none" constrains nothing: the reply is the plain greedy continuation of the
+    # same rendered prompt (it once got the "required" grammar's JSON array).
+    url = str(client.base_url).removesuffix("/v1/")
+    ids = httpx.post(f"{url}/tokenize", json={"model": model, "messages": messages, "tools": TOOLS}).json()["tokens"]
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0)
+    assert follow.choices[0].message.content == plain.choices[0].text
     # The template saw the call and its result: the prompt grew by both.
     assert follow.usage.prompt_tokens > first.usage.prompt_tokens + 10
 

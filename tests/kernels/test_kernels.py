@@ -193,6 +193,23 @@ def test_wide_fma_attention_pairs_rows_without_changing_bits(heads, head_dim, bl
     torch.testing.assert_close(wide, twin, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("scale", [0.05, 144**-0.5])
+def test_attention_uses_the_scale_it_is_given(head_dim, scale):
+    """Models whose query scale is not head_dim**-0.5 (Gemma's query_pre_attn_scalar, e.g. 144
+    for head_dim 128): every test passed head_dim**-0.5, so the vectorised head sizes could have
+    ignored the argument unseen (found by a mutation audit)."""
+    g = torch.Generator().manual_seed(head_dim)
+    bs, nb = 16, 12
+    kc, vc = (torch.randn(nb, bs, 2, head_dim, generator=g) for _ in range(2))
+    tables = torch.randperm(nb, generator=g)[:10].view(2, 5)
+    seq_lens, starts = torch.tensor([70, 33]), torch.tensor([0, 1, 6])  # a decode, a 5-token chunk
+    q = torch.randn(6, 4, head_dim, generator=g) * 3
+    got = ops.paged_attention(q, kc, vc, tables, seq_lens, starts, scale, None)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, starts, scale, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_linear_moves_its_weight_into_panels_unless_shared():
     g = torch.Generator().manual_seed(0)
     lin = Linear(64, 40, bias=True)
