@@ -105,6 +105,30 @@ def test_wide_quants_split_into_two_int8_halves():
     assert int(q1.min()) == -127 and int(q1.max()) == 127 and int(q2.min()) == -127 and int(q2.max()) == 126
 
 
+def test_the_kernels_wide_halves_are_the_twins_split_for_every_quant(build):
+    """Every wide quant Q in [-32258, 32258] (blocks whose largest |x| is 32258, so Q = x) comes
+    out of the kernel as split_wide's halves, whichever division the build's path uses."""
+    values = torch.arange(-32258, 32259, dtype=torch.float32)
+    per_block = reference.QK - 1
+    blocks = -(-values.numel() // per_block)
+    rows = -(-blocks // 8)
+    x = torch.zeros(rows * 8, reference.QK)
+    x[:, 0] = 32258.0
+    body = torch.zeros(rows * 8 * per_block)
+    body[: values.numel()] = values
+    x[:, 1:] = body.view(rows * 8, per_block)
+    x = x.view(rows, 8 * reference.QK)
+    m, k = x.shape
+    q1, q2 = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k, dtype=torch.int8)
+    d, s = torch.empty(m, k // reference.QK), torch.empty(m, k // reference.QK, dtype=torch.int32)
+    ops.load_kernels().int8_quantize_rows(q1.data_ptr(), q2.data_ptr(), d.data_ptr(), s.data_ptr(), x.data_ptr(), k,
+                                          m, k, 16, 2)  # fmt: skip
+    want_q, _, _ = reference.quantize_activations(x, 16)
+    assert torch.equal(want_q.to(torch.float32), x)  # the blocks hold the quants themselves
+    want1, want2 = reference.split_wide(want_q)
+    assert torch.equal(q1, want1) and torch.equal(q2, want2)
+
+
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_int8_gemm_matches_its_twin(build, qtype, bits):

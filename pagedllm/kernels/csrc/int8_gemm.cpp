@@ -184,13 +184,54 @@ void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
 }
 
 // Wide quantization (see the file comment): Q = round_half_even(x * (32258 / amax)), split as
-// 254 * q1 + q2. Scalar: the quantization is O(M K) against the GEMM's O(M N K). The floor of
-// the fp32 quotient is exact here (Q + 127 < 2^24, and a non-integer quotient is at least
-// 1/254 below the next integer), and it is what the torch twin computes with integers.
+// 254 * q1 + q2, q1 = floor((Q + 127) / 254). The vector path divides by a multiply and a
+// shift: with n = Q + 127 + 254 * 128 in [381, 64897] (non-negative), floor(n / 254) =
+// (n * 66053) >> 24 for every such n (checked exhaustively; the product stays below 2^32), and
+// q1 is that minus 128. The scalar path divides in fp32, whose floor is exact here (Q + 127 <
+// 2^24, and a non-integer quotient is at least 1/254 below the next integer), as the torch
+// twin does with integers: the three give the same quants.
 constexpr float WIDE_LEVELS = 32258.f;  // 254 * 127
 void quantize_row_wide(int8_t* q1, int8_t* q2, float* d, int32_t* s, const float* x, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float* xb = x + b * QK;
+#ifdef PAGEDLLM_AVX2
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+        __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absmask);
+            mx = _mm256_max_ps(mx, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or inf
+        }
+        if (_mm256_movemask_ps(bad)) {
+            nonfinite_block(q1 + b * QK, q2 + b * QK, d + b, s + b, xb, WIDE_LEVELS);
+            continue;
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float id = amax > 0.f ? WIDE_LEVELS / amax : 0.f;
+        const __m256 idv = _mm256_set1_ps(id);
+        const __m256i shift = _mm256_set1_epi32(127 + 254 * 128), magic = _mm256_set1_epi32(66053);
+        const __m256i k128 = _mm256_set1_epi32(128), k254 = _mm256_set1_epi32(254);
+        __m256i vsum = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * c), idv));  // round to even
+            const __m256i n = _mm256_add_epi32(v, shift);
+            const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_mullo_epi32(n, magic), 24), k128);
+            const __m256i lo = _mm256_sub_epi32(v, _mm256_mullo_epi32(hi, k254));
+            vsum = _mm256_add_epi32(vsum, v);
+            const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+            const __m128i l16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(q1 + b * QK + 8 * c), _mm_packs_epi16(h16, h16));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(q2 + b * QK + 8 * c), _mm_packs_epi16(l16, l16));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        s[b] = _mm_cvtsi128_si32(s4);
+#else
         const float amax = absmax_keep_nan(xb, QK);
         if (!std::isfinite(amax)) {
             nonfinite_block(q1 + b * QK, q2 + b * QK, d + b, s + b, xb, WIDE_LEVELS);
@@ -198,27 +239,7 @@ void quantize_row_wide(int8_t* q1, int8_t* q2, float* d, int32_t* s, const float
         }
         const float id = amax > 0.f ? WIDE_LEVELS / amax : 0.f;
         int32_t sum = 0;
-        int i = 0;
-#ifdef PAGEDLLM_AVX2
-        const __m256 idv = _mm256_set1_ps(id), k254f = _mm256_set1_ps(254.f);
-        const __m256i k127 = _mm256_set1_epi32(127), k254 = _mm256_set1_epi32(254);
-        __m256i vsum = _mm256_setzero_si256();
-        for (; i < QK; i += 8) {
-            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), idv));  // round to even
-            const __m256 t = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(v, k127)), k254f);
-            const __m256i hi = _mm256_cvttps_epi32(_mm256_floor_ps(t));
-            const __m256i lo = _mm256_sub_epi32(v, _mm256_mullo_epi32(hi, k254));
-            vsum = _mm256_add_epi32(vsum, v);
-            const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-            const __m128i l16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-            _mm_storel_epi64(reinterpret_cast<__m128i*>(q1 + b * QK + i), _mm_packs_epi16(h16, h16));
-            _mm_storel_epi64(reinterpret_cast<__m128i*>(q2 + b * QK + i), _mm_packs_epi16(l16, l16));
-        }
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vsum);
-        for (int32_t l : lanes) sum += l;
-#endif
-        for (; i < QK; i++) {
+        for (int i = 0; i < QK; i++) {
             const int v = int(std::nearbyint(xb[i] * id));
             const int hi = int(std::floor(float(v + 127) / 254.f));
             q1[b * QK + i] = int8_t(hi);
@@ -226,6 +247,7 @@ void quantize_row_wide(int8_t* q1, int8_t* q2, float* d, int32_t* s, const float
             sum += v;
         }
         s[b] = sum;
+#endif
         d[b] = amax / WIDE_LEVELS;
     }
 }
