@@ -96,6 +96,24 @@ def test_greedy_tokens_equal_one_process(uneven_gqa, tp, pp):
         llm.llm_engine.close()
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_four_ranks_sum_with_gloos_all_reduce(tmp_path, kv_heads):
+    """TP=4: the partial sums take gloo's all_reduce (two ranks swap theirs directly), and with
+    fewer KV heads than ranks each is replicated on the ranks of its query heads."""
+    path = save_tiny_model(tmp_path / "tp4", hidden_size=128, num_attention_heads=8, num_key_value_heads=kv_heads,
+                           intermediate_size=192, seed=6)  # fmt: skip
+    prompts = _prompts((2, 19, 33))
+    ref = _greedy(LLM(str(path), **ENGINE), prompts)
+    llm = LLM(str(path), tensor_parallel_size=4, **ENGINE)
+    try:
+        reports = llm.llm_engine.executor.worker_reports
+        assert [r["num_heads"] for r in reports] == [2] * 4
+        assert [r["num_kv_heads"] for r in reports] == [1] * 4
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.llm_engine.close()
+
+
 def test_mqa_replicates_the_kv_head(tmp_path):
     path = save_tiny_model(tmp_path / "mqa", num_attention_heads=4, num_key_value_heads=1, seed=4)
     prompts = _prompts((3, 20))
