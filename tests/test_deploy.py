@@ -322,7 +322,7 @@ def test_dockerfile_healthcheck_hits_health_on_the_server_port(dockerfile):
     code = shlex.split(check.split("CMD", 1)[1].split("||")[0])
     assert code == ["python", copy_destination(instrs, "docker/healthcheck.py")], code
     script = HEALTHCHECK.read_text()
-    assert "http://127.0.0.1:" in script and "/health" in script and "/proc/1/cmdline" in script
+    assert "127.0.0.1" in script and "/health" in script and "/proc/1/cmdline" in script
     ast.parse(script)
 
 
@@ -339,6 +339,28 @@ def test_the_healthcheck_finds_the_port_a_container_argument_sets(run_entrypoint
     for extra, want in cases:
         argv = ["python", "/usr/local/bin/pagedllm", *run_entrypoint(env, *extra)]  # PID 1's command line
         assert healthcheck.server_port(argv, "9000") == want, (extra, argv)
+
+
+def test_the_healthcheck_polls_the_address_the_server_is_bound_to(run_entrypoint):
+    """`docker run IMAGE --host 10.1.2.3` (or PAGEDLLM_HOST) serves only on that address: a
+    probe of 127.0.0.1 was refused there, so the container stayed unhealthy. Wildcard
+    addresses are reached on loopback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", HEALTHCHECK)
+    healthcheck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(healthcheck)
+    cases = [
+        ({}, (), "http://127.0.0.1:8000/health"),
+        ({"PAGEDLLM_HOST": "10.1.2.3"}, (), "http://10.1.2.3:8000/health"),
+        ({}, ("--host", "10.4.5.6", "--port", "9100"), "http://10.4.5.6:9100/health"),
+        ({"PAGEDLLM_HOST": "10.1.2.3"}, ("--host=0.0.0.0",), "http://127.0.0.1:8000/health"),
+        ({}, ("--host", "::"), "http://[::1]:8000/health"),
+        ({}, ("--host", "fd00::7"), "http://[fd00::7]:8000/health"),
+    ]
+    for env, extra, want in cases:
+        argv = ["python", "/usr/local/bin/pagedllm", *run_entrypoint(env, *extra)]  # PID 1's command line
+        assert healthcheck.health_url(argv, env.get("PAGEDLLM_HOST", "0.0.0.0"), "8000") == want, (env, extra, argv)
 
 
 def test_the_warm_up_imports_the_installed_package_not_the_copied_sources(dockerfile):
@@ -541,7 +563,7 @@ def test_compose_has_the_server_and_prometheus(compose):
     assert str(services["prometheus"]["image"]).startswith("prom/prometheus")
 
 
-def test_compose_server_env_port_and_healthcheck(compose):
+def test_compose_server_env_port_and_healthcheck(compose, dockerfile):
     server = compose["services"]["pagedllm"]
     env = _environment(server)
     port = env.get("PAGEDLLM_PORT", "8000")
@@ -552,8 +574,9 @@ def test_compose_server_env_port_and_healthcheck(compose):
     for path in (ROOT / "pagedllm").rglob("*.py"):
         known |= set(re.findall(r"PAGEDLLM_[A-Z_]+", path.read_text()))
     assert set(env) <= known, f"unknown variables: {set(env) - known}"
+    # The image's check (which reads the server's --host / --port), not a copy that could drift.
     test = server["healthcheck"]["test"]
-    assert "/health" in (test if isinstance(test, str) else " ".join(test))
+    assert test == ["CMD", "python", copy_destination(dockerfile_instructions(dockerfile), "docker/healthcheck.py")], test
 
 
 def test_prometheus_scrapes_the_server_metrics(compose):
