@@ -127,6 +127,26 @@ inline void nonfinite_block(int8_t* qb, int8_t* q2b, float* d, int32_t* s, const
     *d = absmax_keep_nan(xb, QK) / levels;
 }
 
+#ifdef PAGEDLLM_AVX2
+// A block's largest |x| into *amax; false (amax untouched) when the block holds a NaN or an inf.
+inline bool block_amax(const float* xb, float* amax) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absmask);
+        mx = _mm256_max_ps(mx, a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or inf
+    }
+    if (_mm256_movemask_ps(bad)) return false;
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    *amax = _mm_cvtss_f32(h);
+    return true;
+}
+#endif
+
 // One row's blocks: q = round_half_even(x * (127 / amax)), d = amax / 127. The same fp32
 // operations as reference.quantize_activations, so the quants are bit-identical to it.
 void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
@@ -135,22 +155,10 @@ void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
         int8_t* qb = q + b * QK;
         float amax = 0.f;
 #ifdef PAGEDLLM_AVX2
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-        __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absmask);
-            mx = _mm256_max_ps(mx, a);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or inf
-        }
-        if (_mm256_movemask_ps(bad)) {
+        if (!block_amax(xb, &amax)) {
             nonfinite_block(qb, nullptr, d + b, s + b, xb, 127.f);
             continue;
         }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        amax = _mm_cvtss_f32(h);
         const float id = amax > 0.f ? 127.f / amax : 0.f;
         const __m256 idv = _mm256_set1_ps(id);
         __m256i sum = _mm256_setzero_si256();
@@ -195,22 +203,11 @@ void quantize_row_wide(int8_t* q1, int8_t* q2, float* d, int32_t* s, const float
     for (int64_t b = 0; b < K / QK; b++) {
         const float* xb = x + b * QK;
 #ifdef PAGEDLLM_AVX2
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-        __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absmask);
-            mx = _mm256_max_ps(mx, a);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or inf
-        }
-        if (_mm256_movemask_ps(bad)) {
+        float amax = 0.f;
+        if (!block_amax(xb, &amax)) {
             nonfinite_block(q1 + b * QK, q2 + b * QK, d + b, s + b, xb, WIDE_LEVELS);
             continue;
         }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float amax = _mm_cvtss_f32(h);
         const float id = amax > 0.f ? WIDE_LEVELS / amax : 0.f;
         const __m256 idv = _mm256_set1_ps(id);
         const __m256i shift = _mm256_set1_epi32(127 + 254 * 128), magic = _mm256_set1_epi32(66053);
