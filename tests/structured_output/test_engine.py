@@ -95,6 +95,25 @@ def test_preemption_chunked_prefill_and_prefix_cache_keep_outputs_valid(tiny_lla
     assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in alone]
 
 
+def test_each_mask_stays_with_its_request_when_the_runner_puts_decodes_first(tiny_llama_tok):
+    """The runner moves decode rows ahead of the rest, so a request that samples at the end of
+    its chunked prefill, scheduled before one that already decodes, takes a later row than its
+    grammar's bitmask row (found by a mutation audit: using the bitmask as it comes passed
+    every test). Digits and letters: a swapped mask shows at once."""
+    llm = LLM(str(tiny_llama_tok), dtype="float32", max_num_seqs=4, num_kv_blocks=256, max_num_batched_tokens=64,
+              long_prefill_token_threshold=16, log_stats_interval=1e9)  # fmt: skip
+    digits, letters = "[0-9]{8}", "[a-z]{80}"
+    params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(regex=r))
+              for r in (digits, letters)]  # fmt: skip
+    # The 70-token prompt is admitted first and prefills 16 tokens a step; the 3-token one
+    # finishes its prefill in the second step and decodes while the long one's chunks go on,
+    # up to its last chunk of 6 tokens, which samples (a one-token chunk would count as a decode).
+    long, short = {"prompt_token_ids": list(range(1000, 1070))}, {"prompt_token_ids": [1000, 1001, 1002]}
+    outs = llm.generate([long, short], params, use_tqdm=False)
+    assert fullmatch(digits, outs[0].outputs[0].text), outs[0].outputs[0].text
+    assert fullmatch(letters, outs[1].outputs[0].text), outs[1].outputs[0].text
+
+
 def test_constrained_rows_do_not_change_free_rows(llm):
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = llm.generate(PROMPTS[:3], free, use_tqdm=False)
