@@ -242,6 +242,11 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
     // Rows r and r + 1 go as a pair when they read the same KV head. Rows are ordered by token,
     // so r + 1's context is never shorter than r's.
     auto paired = [&](int r) { return g_wide_fma && r + 1 < NR && (r % NH) / G == ((r + 1) % NH) / G; };
+    // Without full-width FMAs (Zen 4 splits a zmm op in two), the same pairs go as two ymm rows
+    // side by side: each K / V load (and fp16 / bf16 widening) then feeds both rows, and the
+    // two rows' chains interleave. Every row's own operations are unchanged. With 32 ymm
+    // registers, head_dim 64 only (two rows' 16 accumulators; 128 would spill).
+    auto twin = [&](int r) { return DV <= 8 && !g_wide_fma && r + 1 < NR && (r % NH) / G == ((r + 1) % NH) / G; };
 #endif
     auto block_slot = [&](int64_t b) { return table[b] * block_size; };
     prefetch_block(key_cache, block_slot(a / block_size) + a % block_size,
@@ -307,6 +312,28 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
                 const __m512 sv = hsum8x2(dots);
                 take_scores(r, _mm512_castps512_ps256(sv));
                 take_scores(r + 1, _mm512_extractf32x8_ps(sv, 1));  // r + 1 sees at least r's keys
+                r += 2;
+                continue;
+            }
+            if (twin(r)) {  // rows r and r + 1 (same KV head): one K load for both
+                prefetch_share(r + 1);
+                __m256 d0[8], d1[8];
+                const __m256 a0 = _mm256_load_ps(qs[r]), b0 = _mm256_load_ps(qs[r + 1]);
+                for (int j = 0; j < 8; j++) {
+                    const __m256 k = load8(krow[j] + ko);
+                    d0[j] = _mm256_mul_ps(a0, k);
+                    d1[j] = _mm256_mul_ps(b0, k);
+                }
+                for (int c = 1; c < DV; c++) {
+                    const __m256 ac = _mm256_load_ps(qs[r] + 8 * c), bc = _mm256_load_ps(qs[r + 1] + 8 * c);
+                    for (int j = 0; j < 8; j++) {
+                        const __m256 k = load8(krow[j] + ko + 8 * c);
+                        d0[j] = _mm256_fmadd_ps(ac, k, d0[j]);
+                        d1[j] = _mm256_fmadd_ps(bc, k, d1[j]);
+                    }
+                }
+                take_scores(r, hsum8(d0));
+                take_scores(r + 1, hsum8(d1));  // r + 1 sees at least r's keys
                 r += 2;
                 continue;
             }
@@ -383,6 +410,36 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
                 for (int c = 0; c < DV; c++) {
                     _mm256_store_ps(accbuf[r] + 8 * c, _mm512_castps512_ps256(acc[c]));
                     _mm256_store_ps(accbuf[r + 1] + 8 * c, _mm512_extractf32x8_ps(acc[c], 1));
+                }
+                r += 2;
+                continue;
+            }
+            if (twin(r)) {  // rows r and r + 1 (same KV head): one V load for both
+                const int64_t nr1 = std::min(n, ctx0 + (r + 1) / NH - j0);
+                const float* p1 = scores + (r + 1) * sstride + (j0 - a);
+                __m256 acc0[DV], acc1[DV];
+                for (int c = 0; c < DV; c++) {
+                    acc0[c] = _mm256_load_ps(accbuf[r] + 8 * c);
+                    acc1[c] = _mm256_load_ps(accbuf[r + 1] + 8 * c);
+                }
+                int64_t jj = 0;
+                for (; jj < nr; jj++) {
+                    const __m256 pa = _mm256_set1_ps(p[jj]), pb = _mm256_set1_ps(p1[jj]);
+                    const T* vr = vh + jj * token_stride;
+                    for (int c = 0; c < DV; c++) {
+                        const __m256 v = load8(vr + 8 * c);
+                        acc0[c] = _mm256_fmadd_ps(pa, v, acc0[c]);
+                        acc1[c] = _mm256_fmadd_ps(pb, v, acc1[c]);
+                    }
+                }
+                for (; jj < nr1; jj++) {  // keys only row r + 1 sees
+                    const __m256 pb = _mm256_set1_ps(p1[jj]);
+                    const T* vr = vh + jj * token_stride;
+                    for (int c = 0; c < DV; c++) acc1[c] = _mm256_fmadd_ps(pb, load8(vr + 8 * c), acc1[c]);
+                }
+                for (int c = 0; c < DV; c++) {
+                    _mm256_store_ps(accbuf[r] + 8 * c, acc0[c]);
+                    _mm256_store_ps(accbuf[r + 1] + 8 * c, acc1[c]);
                 }
                 r += 2;
                 continue;
