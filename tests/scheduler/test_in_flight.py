@@ -37,3 +37,19 @@ def test_an_in_flight_request_is_never_preempted():
     # Without anything in flight, the usual rule applies: the most recent request (b) goes.
     freed = sched.schedule()
     assert freed.preempted_ids == ["b"]
+
+
+def test_max_num_seqs_holds_while_a_running_request_is_in_flight():
+    """A full running set with one request in flight: a waiting request is not admitted (found
+    by a mutation audit: admitting at len(running) == max_num_seqs tripped the scheduler's own
+    budget assertion, which would end the engine; no test had this case)."""
+    sched = make_scheduler(max_num_seqs=2)
+    for rid in "ab":
+        sched.add_request(make_request(rid, 6, 4))
+    first = sched.schedule()
+    sched.update_from_output(first, _sampled(sched, first))
+    sched.add_request(make_request("c", 6, 4))
+    out = sched.schedule(in_flight={"b"})
+    assert [s.req_id for s in out.scheduled] == ["a"]
+    assert [r.request_id for r in sched.running] == ["a", "b"] and len(sched.waiting) == 1
+    assert not out.preempted_ids
