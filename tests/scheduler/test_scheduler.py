@@ -575,3 +575,38 @@ def test_drafts_are_dropped_rather_than_preempting_another_request():
     out = roomy.schedule()
     assert out.preempted_ids == [] and out.scheduled[0].spec_token_ids == [7, 8, 9]
     assert out.scheduled[0].num_new_tokens == 4
+
+
+def test_drafts_fit_the_token_budget_a_whole_chunk_and_max_tokens():
+    """Found by a mutation audit (each rule could be dropped without a test failing): drafts
+    take only the budget left after the request's own token; a chunk that the budget cuts short
+    of the last known token verifies none; and no more are verified than max_tokens can keep
+    (the last verified position also yields a token)."""
+    sched = make_scheduler(max_num_batched_tokens=5)
+    a, b = make_request("a", 3, 20), make_request("b", 3, 20)
+    for r in (a, b):
+        sched.add_request(r)
+    step(sched)
+    a.spec_token_ids = [7, 8, 9, 10, 11, 12]
+    out = sched.schedule()
+    assert out.scheduled[0].req_id == "a" and out.scheduled[0].spec_token_ids == [7, 8, 9, 10]
+    assert out.num_scheduled_tokens == 5
+    # A prompt in chunks of 4 (the per-request cap; the budget has room): drafts only once the
+    # chunk reaches its last known token.
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+                             long_prefill_token_threshold=4)  # fmt: skip
+    chunked = Scheduler(config, KVCacheManager(num_blocks=64, block_size=4))
+    c = make_request("c", 10, 20)
+    chunked.add_request(c)
+    step(chunked)  # its first chunk: c is running now
+    c.spec_token_ids = [7, 8]
+    second = chunked.schedule()
+    assert second.scheduled[0].num_new_tokens == 4 and second.scheduled[0].spec_token_ids == []
+    # max_tokens 5 with one token out: 3 drafts at most (4 verified positions, 4 new tokens).
+    edge = make_scheduler()
+    d = make_request("d", 3, 5)
+    edge.add_request(d)
+    step(edge)
+    assert len(d.output_token_ids) == 1
+    d.spec_token_ids = [7, 8, 9, 10, 11]
+    assert edge.schedule().scheduled[0].spec_token_ids == [7, 8, 9]
