@@ -84,6 +84,10 @@ def test_response_format_json_schema_and_json_object(client, model):
     r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=50, temperature=0,
                                        response_format={"type": "json_object"}, logit_bias=bias)  # fmt: skip
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0]
+    # A json_schema format without a schema (OpenAI allows it) asks for any JSON object.
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=50, temperature=0, logit_bias=bias,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "anything"}})  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0]
     r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=200, temperature=0, extra_body=_compact(PERSON_SCHEMA))
     assert r.choices[0].finish_reason == "stop" and valid_json(r.choices[0].message.content, PERSON_SCHEMA)
     r = client.completions.create(model=model, prompt="Date:", max_tokens=20, temperature=0, extra_body={"guided_regex": DATE_REGEX})
