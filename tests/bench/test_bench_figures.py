@@ -5,6 +5,7 @@ no warm-up drafts in the acceptance figures, numpy's percentiles, one request's 
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -218,3 +219,34 @@ def test_bench_serve_says_n_a_for_no_values_and_fails_when_every_request_did(mon
     monkeypatch.setattr(serve, "_one", refused)
     with pytest.raises(ValueError, match="every request failed, e.g.: HTTP 404"):
         serve.run(_args(serve.add_args, argv))
+
+
+def test_bench_serve_figures_from_known_requests(monkeypatch, tmp_path):
+    """Throughput counts successful requests only, TPOT spreads the time after the first token
+    over the tokens after the first, and goodput compares milliseconds with milliseconds (a
+    mutation audit changed each without a test failing)."""
+    from pagedllm.bench import serve
+
+    results = iter([
+        serve._Result(ok=True, ttft=0.1, e2e=1.1, output_tokens=11),   # TPOT 100 ms: meets both bounds
+        serve._Result(ok=True, ttft=0.3, e2e=0.8, output_tokens=6),    # TPOT 100 ms, TTFT 300 ms: too slow to start
+        serve._Result(ok=True, ttft=0.05, e2e=2.05, output_tokens=5),  # TPOT 500 ms
+        serve._Result(ok=False, error="HTTP 500: boom"),
+    ])  # fmt: skip
+
+    async def known(client, url, body, headers):
+        return next(results)
+
+    monkeypatch.setattr(serve, "_one", known)
+    argv = ["--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--model", "m",
+            "--base-url", "http://127.0.0.1:9", "--goodput", "ttft:200", "tpot:200",
+            "--save-result", str(tmp_path / "serve.json")]  # fmt: skip
+    res = serve.run(_args(serve.add_args, argv))
+    saved = json.loads((tmp_path / "serve.json").read_text())  # strict JSON: the default rate inf as a string
+    assert saved["request_rate"] == "inf" and saved["successful_requests"] == 3
+    assert res["successful_requests"] == 3 and res["failed_requests"] == 1
+    assert res["request_throughput"] * res["duration_s"] == pytest.approx(3)
+    assert res["output_token_throughput"] * res["duration_s"] == pytest.approx(22)
+    assert res["goodput"] * res["duration_s"] == pytest.approx(1)
+    assert res["tpot_ms"]["median"] == pytest.approx(100) and res["tpot_ms"]["mean"] == pytest.approx(700 / 3)
+    assert res["ttft_ms"]["median"] == pytest.approx(100) and res["e2el_ms"]["median"] == pytest.approx(1100)
