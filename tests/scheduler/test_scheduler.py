@@ -610,3 +610,17 @@ def test_drafts_fit_the_token_budget_a_whole_chunk_and_max_tokens():
     assert len(d.output_token_ids) == 1
     d.spec_token_ids = [7, 8, 9, 10, 11]
     assert edge.schedule().scheduled[0].spec_token_ids == [7, 8, 9]
+
+
+def test_the_priority_policy_preempts_the_least_urgent_then_the_latest():
+    """Largest priority value first; among equals the latest arrival, whose recomputation
+    costs least (a mutation audit reversed the tie-break without a test failing)."""
+    from pagedllm.scheduler.policy import pick_victim
+
+    reqs = [make_request(rid, 3, 4) for rid in "abcd"]
+    for r, (priority, arrival) in zip(reqs, [(0, 1.0), (0, 2.0), (-1, 3.0), (0, 0.5)]):
+        r.priority, r.arrival_time = priority, arrival
+    assert pick_victim(reqs, "priority").request_id == "b"
+    reqs[0].priority = 1
+    assert pick_victim(reqs, "priority").request_id == "a"
+    assert pick_victim(reqs, "fcfs").request_id == "d"  # the last admitted
