@@ -85,6 +85,9 @@ def _measure(args: argparse.Namespace, w: Workload, engine_kwargs: dict) -> dict
             num_tokens += len(gaps) + 1
             decode_cpu, decode_tokens = decode_cpu + cpu, decode_tokens + len(gaps)
             decode_wall += sum(gaps)
+    if not per_token:  # (text prompts answered by EOS at once)
+        llm.llm_engine.close()
+        raise ValueError("every answer ended at its first token: there is no time per output token to report")
     total = llm.llm_engine.stats.spec_total
     spec = SpecDecodeStats(total.num_drafts - warm_spec.num_drafts, total.num_draft_tokens - warm_spec.num_draft_tokens,
                            total.num_accepted_tokens - warm_spec.num_accepted_tokens)  # fmt: skip

@@ -84,6 +84,8 @@ def test_latency_acceptance_figures_leave_the_warm_up_out(tiny_llama_tok, monkey
         out = real_one(engine, prompt, params, request_id)
         if request_id == "warmup":
             engine.stats.spec_total.add(SpecDecodeStats(5, 15, 7, [4, 2, 1]))
+        elif len(totals) == 1:  # the first timed request: drafts of 4 tokens, so drafts != draft tokens
+            engine.stats.spec_total.add(SpecDecodeStats(2, 8, 3, [2, 1]))
         s = engine.stats.spec_total
         totals.append((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens))
         return out
@@ -98,6 +100,19 @@ def test_latency_acceptance_figures_leave_the_warm_up_out(tiny_llama_tok, monkey
     assert timed[0] > 0, "the timed part drafted nothing: this test would not tell"
     assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == timed
     assert spec["mean_acceptance_length"] == pytest.approx(1 + timed[2] / timed[0])
+    assert spec["acceptance_rate"] == pytest.approx(timed[2] / timed[1])
+
+
+def test_latency_says_so_when_every_answer_is_one_token(tiny_llama_tok, monkeypatch):
+    """Text prompts answered by EOS at once leave no gap between tokens: a clear error, not a
+    StatisticsError from the mean of nothing."""
+    from pagedllm.bench import latency
+
+    monkeypatch.setattr(latency, "_one", lambda engine, prompt, params, request_id: (0.1, [], 0.0))
+    args = _args(latency.add_args, ["--input-len", "16", "--output-len", "8", "--num-iters", "1"])
+    engine = {"model": str(tiny_llama_tok), "dtype": "float32", "num_kv_blocks": 64, "log_stats_interval": 1e9}
+    with pytest.raises(ValueError, match="every answer ended at its first token"):
+        latency.run(args, engine)
 
 
 def test_prefix_cache_bench_reports_the_second_requests_own_hit_rate(tiny_llama_tok):
