@@ -284,6 +284,21 @@ def test_a_bounded_string_gets_no_tab_even_when_the_model_wants_one(llm):
     assert out.finish_reason == "stop" and valid_json(out.text, schema), out.text
 
 
+def test_json_object_rows_get_the_control_character_filter_too(llm):
+    """json_object rows take the JSON rows' mask filter as json rows do (a mutation audit dropped
+    it for json_object alone and no test failed): with the tab token pushed up, and closing
+    tokens after it, the reply is still a closed object (unfiltered, the tab token filled it to
+    max_tokens)."""
+    tok = llm.get_tokenizer()
+    bias = {tok.encode("\t", add_special_tokens=False)[-1]: 30.0}
+    for text, value in (('"', 20.0), ("}", 12.0), (":", 12.0)):
+        bias[tok.encode(text, add_special_tokens=False)[-1]] = value
+    params = SamplingParams(temperature=0, max_tokens=40, logit_bias=bias,
+                            structured_outputs=StructuredOutputsParams(json_object=True))  # fmt: skip
+    for out in (o.outputs[0] for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)):
+        assert out.finish_reason == "stop" and valid_json_object(out.text), repr(out.text)
+
+
 def test_property_order_is_part_of_the_grammar_key():
     """The output follows the schema's property order, so two orders are two grammars."""
     a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}
