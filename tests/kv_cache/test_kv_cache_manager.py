@@ -578,3 +578,14 @@ KVContentMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVContentMachine = KVContentMachine.TestCase
+
+
+def test_a_swap_pool_with_exactly_enough_room_takes_the_request():
+    """Three blocks into three free swap blocks: swapped, not refused (a mutation audit made the
+    room check strict without a test failing); one block more than the room is refused."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_swap_blocks=3)
+    assert kv.allocate_slots("a", 0, 12)  # 3 blocks
+    assert kv.swap_out("a") and kv.swap_pool.num_free_blocks == 0
+    big = KVCacheManager(num_blocks=8, block_size=4, num_swap_blocks=3)
+    assert big.allocate_slots("b", 0, 13)  # 4 blocks
+    assert not big.swap_out("b") and big.get_block_ids("b")
