@@ -75,6 +75,38 @@ def test_cancelling_a_refused_duplicate_leaves_the_original_running(llm, monkeyp
     assert asyncio.run(main()) == "length"
 
 
+def test_a_caller_cancelled_while_the_engine_adds_its_request_leaves_nothing_running(llm, monkeypatch):
+    """The caller gives up while the engine thread is still adding its request: the request,
+    accepted after all, is aborted rather than left to run to max_tokens with no one reading
+    (a mutation audit removed that abort and no test failed)."""
+    real = AsyncLLM._add_all
+
+    def slow_add(self, items):
+        time.sleep(0.3)  # (the caller gives up meanwhile)
+        return real(self, items)
+
+    monkeypatch.setattr(AsyncLLM, "_add_all", slow_add)
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    aborted = []
+    real_abort = LLMEngine.abort_request
+
+    def recording_abort(self, request_id):
+        aborted.append(request_id)
+        return real_abort(self, request_id)
+
+    monkeypatch.setattr(LLMEngine, "abort_request", recording_abort)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(llm.add_request({"prompt_token_ids": [5, 6, 7]}, long, request_id="Y"), 0.1)
+        await _until(lambda: aborted == ["Y"], timeout=5.0)  # right after the add, not 400 tokens later
+        await _until(lambda: llm.num_in_flight() == 0 and llm.num_running() == 0, timeout=5.0)
+
+    asyncio.run(main())
+
+
 def test_automatic_ids_never_collide_with_a_callers_own(llm):
     async def main() -> list[str]:
         mine = await llm.add_request({"prompt_token_ids": [5, 6]}, LONG, request_id="req-1")
