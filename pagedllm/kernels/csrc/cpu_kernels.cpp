@@ -19,7 +19,8 @@
 // AVX2 and AVX-512 builds give the same bits (tests/kernels: test_each_simd_build_...). The
 // attention's AVX-512 path (Intel only, g_wide_fma) runs two query rows per zmm with each lane
 // doing its ymm lane's arithmetic, so it too keeps the bits; on Zen 4, which runs a 512-bit op
-// as two 256-bit halves, zmm scores/softmax/V sums measured no faster than the AVX2 loop.
+// as two 256-bit halves, zmm scores/softmax/V sums measured no faster than the AVX2 loop, and
+// the same row pairs go as two ymm rows side by side instead (`twin`: 32 ymm registers).
 // Threads: each call runs an OpenMP team of `nthreads` (the caller passes torch's setting).
 // Sizes: callers pass the pool sizes (num_blocks, num_slots, max_positions); Python checks the
 // step's block tables, slots and positions against them once per step, and a build with
