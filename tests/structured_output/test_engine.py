@@ -251,6 +251,19 @@ def test_structural_tags_in_both_forms(llm):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag={"structures": [{}]})))
 
 
+def test_structural_tags_keep_raw_control_characters_out(llm):
+    """Free text under a structural tag may not hold control characters other than tab, newline
+    and carriage return (a mutation audit dropped the tag rows' filter and no test failed): with
+    a control-character token pushed up, none appears."""
+    tok = llm.get_tokenizer()
+    (ctrl,) = tok.encode("\x01", add_special_tokens=False)  # a byte token of its own
+    legacy = {"structures": [{"begin": "<fn>", "schema": {"type": "object"}, "end": "</fn>"}], "triggers": ["<fn>"]}
+    params = SamplingParams(temperature=0, max_tokens=12, logit_bias={ctrl: 40.0},
+                            structured_outputs=StructuredOutputsParams(structural_tag=legacy))  # fmt: skip
+    text = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+    assert not any(0 < ord(c) < 32 and c not in "\t\n\r" for c in text), repr(text)
+
+
 def test_json_masks_never_allow_raw_control_characters(llm):
     """xgrammar lets control characters into length-bounded JSON strings; the JSON rows' masks
     drop every token holding one, tab included (an adversarial session got '{"s": "\t\t"}',
