@@ -103,6 +103,23 @@ def test_latency_acceptance_figures_leave_the_warm_up_out(tiny_llama_tok, monkey
     assert spec["acceptance_rate"] == pytest.approx(timed[2] / timed[1])
 
 
+def test_latency_figures_from_known_requests(tiny_llama_tok, monkeypatch):
+    """TTFT and per-token statistics are those of the timed requests (a mutation audit took TTFT's
+    90th percentile for its 99th and no test failed)."""
+    from pagedllm.bench import latency
+
+    ttfts = iter([0.05] + [0.01 * (i + 1) for i in range(10)])  # the warm-up's, then 10, 20, ..., 100 ms
+    monkeypatch.setattr(latency, "_one", lambda engine, prompt, params, request_id: (next(ttfts), [0.002, 0.004], 0.01))
+    args = _args(latency.add_args, ["--input-len", "16", "--output-len", "8", "--num-iters", "10"])
+    engine = {"model": str(tiny_llama_tok), "dtype": "float32", "num_kv_blocks": 64, "log_stats_interval": 1e9}
+    res = latency.run(args, engine)
+    want = np.percentile([10.0 * (i + 1) for i in range(10)], [50, 99])
+    assert res["ttft_ms"]["median"] == pytest.approx(want[0]) and res["ttft_ms"]["p99"] == pytest.approx(want[1])
+    assert res["ttft_ms"]["mean"] == pytest.approx(55.0)
+    assert res["ms_per_output_token"]["median"] == pytest.approx(3.0) and res["output_tokens"] == 30
+    assert res["decode_tokens_per_s"] == pytest.approx(20 / 0.06)
+
+
 def test_latency_says_so_when_every_answer_is_one_token(tiny_llama_tok, monkeypatch):
     """Text prompts answered by EOS at once leave no gap between tokens: a clear error, not a
     StatisticsError from the mean of nothing."""

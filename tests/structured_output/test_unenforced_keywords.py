@@ -114,7 +114,8 @@ def test_enforced_uses_of_those_keywords_stay_accepted():
 
 @pytest.mark.parametrize("pattern, value", [(r"^a\tb$", "a\tb"), (r"^a\nb$", "a\nb"), (r"^a\r\nb$", "a\r\nb"),
                                             (r"^a\u000ab$", "a\nb"), (r"^[\t-\r]+$", "\n"), (r"^a\cIb$", "a\tb"),
-                                            ("^a\x01b$", None)])  # fmt: skip
+                                            ("^a\x01b$", None), ("^a\x1fb$", None), (r"^a\x1fb$", None),
+                                            (r"^a\u001Fb$", None)])  # fmt: skip
 def test_a_pattern_that_writes_a_control_character_raw_is_refused(pattern, value):
     """Found by an adversarial session: xgrammar matches a string's pattern against the JSON text,
     so a pattern's newline came out raw (invalid JSON, finish_reason "stop") and a tab, which the
