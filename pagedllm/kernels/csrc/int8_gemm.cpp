@@ -145,6 +145,14 @@ inline bool block_amax(const float* xb, float* amax) {
     *amax = _mm_cvtss_f32(h);
     return true;
 }
+
+// The sum of a vector's 8 int32 lanes (a block's quant sum).
+inline int32_t hsum_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
 #endif
 
 // One row's blocks: q = round_half_even(x * (127 / amax)), d = amax / 127. The same fp32
@@ -168,10 +176,7 @@ void quantize_row(int8_t* q, float* d, int32_t* s, const float* x, int64_t K) {
             const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
             _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + 8 * c), _mm_packs_epi16(p16, p16));
         }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        s[b] = _mm_cvtsi128_si32(s4);
+        s[b] = hsum_epi32(sum);
 #else
         amax = absmax_keep_nan(xb, QK);
         if (!std::isfinite(amax)) {
@@ -224,10 +229,7 @@ void quantize_row_wide(int8_t* q1, int8_t* q2, float* d, int32_t* s, const float
             _mm_storel_epi64(reinterpret_cast<__m128i*>(q1 + b * QK + 8 * c), _mm_packs_epi16(h16, h16));
             _mm_storel_epi64(reinterpret_cast<__m128i*>(q2 + b * QK + 8 * c), _mm_packs_epi16(l16, l16));
         }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        s[b] = _mm_cvtsi128_si32(s4);
+        s[b] = hsum_epi32(vsum);
 #else
         const float amax = absmax_keep_nan(xb, QK);
         if (!std::isfinite(amax)) {
