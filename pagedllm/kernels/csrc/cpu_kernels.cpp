@@ -242,12 +242,13 @@ void attend_heads(float* out, const float* q, int64_t q_stride, int NQ, int NKV,
 #ifdef PAGEDLLM_AVX512
     // Rows r and r + 1 go as a pair when they read the same KV head. Rows are ordered by token,
     // so r + 1's context is never shorter than r's.
-    auto paired = [&](int r) { return g_wide_fma && r + 1 < NR && (r % NH) / G == ((r + 1) % NH) / G; };
+    auto same_kv_head = [&](int r) { return r + 1 < NR && (r % NH) / G == ((r + 1) % NH) / G; };
+    auto paired = [&](int r) { return g_wide_fma && same_kv_head(r); };
     // Without full-width FMAs (Zen 4 splits a zmm op in two), the same pairs go as two ymm rows
     // side by side: each K / V load (and fp16 / bf16 widening) then feeds both rows, and the
     // two rows' chains interleave. Every row's own operations are unchanged. With 32 ymm
     // registers, head_dim 64 only (two rows' 16 accumulators; 128 would spill).
-    auto twin = [&](int r) { return DV <= 8 && !g_wide_fma && r + 1 < NR && (r % NH) / G == ((r + 1) % NH) / G; };
+    auto twin = [&](int r) { return DV <= 8 && !g_wide_fma && same_kv_head(r); };
 #endif
     auto block_slot = [&](int64_t b) { return table[b] * block_size; };
     prefetch_block(key_cache, block_slot(a / block_size) + a % block_size,
