@@ -326,14 +326,20 @@ def test_dockerfile_healthcheck_hits_health_on_the_server_port(dockerfile):
     ast.parse(script)
 
 
-def test_the_healthcheck_finds_the_port_a_container_argument_sets(run_entrypoint):
-    """`docker run IMAGE --port 9100` serves on 9100: the check must poll that port, not
-    PAGEDLLM_PORT's (it did, so the container stayed unhealthy)."""
+def _healthcheck_module():
+    """docker/healthcheck.py loaded as a module (it is a script in the image, not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("healthcheck", HEALTHCHECK)
-    healthcheck = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(healthcheck)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_healthcheck_finds_the_port_a_container_argument_sets(run_entrypoint):
+    """`docker run IMAGE --port 9100` serves on 9100: the check must poll that port, not
+    PAGEDLLM_PORT's (it did, so the container stayed unhealthy)."""
+    healthcheck = _healthcheck_module()
     env = {"PAGEDLLM_PORT": "9000"}
     cases = [((), "9000"), (("--port", "9100"), "9100"), (("--port=9200", "--seed", "1"), "9200")]
     for extra, want in cases:
@@ -345,11 +351,7 @@ def test_the_healthcheck_polls_the_address_the_server_is_bound_to(run_entrypoint
     """`docker run IMAGE --host 10.1.2.3` (or PAGEDLLM_HOST) serves only on that address: a
     probe of 127.0.0.1 was refused there, so the container stayed unhealthy. Wildcard
     addresses are reached on loopback."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("healthcheck", HEALTHCHECK)
-    healthcheck = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(healthcheck)
+    healthcheck = _healthcheck_module()
     cases = [
         ({}, (), "http://127.0.0.1:8000/health"),
         ({"PAGEDLLM_HOST": "10.1.2.3"}, (), "http://10.1.2.3:8000/health"),
