@@ -297,6 +297,20 @@ def test_a_bounded_string_gets_no_tab_even_when_the_model_wants_one(llm):
     assert out.finish_reason == "stop" and valid_json(out.text, schema), out.text
 
 
+def test_no_surrogate_follows_a_lead_byte_ed_in_a_string(llm):
+    """The engine applies the ED filter (a mutation audit removed it and only the backend's own
+    test noticed): with ED and the surrogate tail AF pushed up, a string gets ED 95 AF (U+D56F),
+    never ED AF (a UTF-8-encoded surrogate that decodes to U+FFFD and breaks maxLength)."""
+    vocab = llm.llm_engine.structured.backend().info.decoded_vocab
+    ed, surrogate_tail, valid_tail = (vocab.index(b) for b in (b"\xed", b"\xaf", b"\x95"))
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 2}}, "required": ["s"]}
+    params = SamplingParams(temperature=0, max_tokens=30, logit_bias={ed: 30.0, surrogate_tail: 29.0, valid_tail: 20.0},
+                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))  # fmt: skip
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and valid_json(out.text, schema), repr(out.text)
+    assert "\ufffd" not in out.text and "\ud56f" in out.text, repr(out.text)
+
+
 def test_json_object_rows_get_the_control_character_filter_too(llm):
     """json_object rows take the JSON rows' mask filter as json rows do (a mutation audit dropped
     it for json_object alone and no test failed): with the tab token pushed up, and closing
