@@ -151,6 +151,43 @@ def test_a_failure_in_the_servers_own_stream_code_ends_with_an_error_event():
     assert error["code"] == 500 and "r1" in error["message"] and engine.aborted == ["r1"]
 
 
+def test_a_client_leaving_after_the_first_chunk_aborts_requests_no_stream_has_started():
+    """A chat stream sends its role chunk before it awaits the engine: a client that leaves
+    then has started none of the output streams (whose own cleanup also aborts), so closing
+    the response must abort every request of it."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.serving import _aborting_on_exit
+
+    class Engine:
+        def __init__(self) -> None:
+            self.aborted: list[str] = []
+
+        def abort(self, rid: str) -> None:
+            self.aborted.append(rid)
+
+    started = []
+
+    async def outputs():  # an engine output stream: never reached
+        started.append(True)
+        yield "token"
+
+    async def body():
+        yield 'data: {"role": "assistant"}\n\n'
+        async for out in outputs():
+            yield out
+
+    async def leave_after_first(engine):
+        stream = _aborting_on_exit(engine, ["r1-0", "r1-1"], body())
+        first = await stream.__anext__()
+        await stream.aclose()  # what the server does when the client disconnects
+        return first
+
+    engine = Engine()
+    assert asyncio.run(leave_after_first(engine)).startswith("data: ")
+    assert engine.aborted == ["r1-0", "r1-1"] and not started
+
+
 def test_earlier_calls_are_shown_with_their_arguments_as_an_object():
     """For templates that ignore tools, earlier calls are written into the text: with the
     arguments object the system note asks the model for, not OpenAI's JSON string of it."""
