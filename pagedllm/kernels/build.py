@@ -32,7 +32,6 @@ from pagedllm.envs import env_flag
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "cpu_kernels.cpp"  # the core kernels (attention, dense GEMM, layer glue)
 
 
 def sources() -> list[Path]:
@@ -65,7 +64,7 @@ def _c_type(decl: str):
 
 def c_api(source: str) -> dict[str, tuple[object, list[object]]]:
     """name -> (restype, argtypes) of every prototype between C-API-BEGIN and C-API-END in a
-    kernel source file: the one place its part of the C API is written down."""
+    kernel source file or header: the one place its part of the C API is written down."""
     if "// C-API-BEGIN" not in source:
         return {}
     block = source.split("// C-API-BEGIN", 1)[1].split("// C-API-END", 1)[0]
@@ -82,9 +81,10 @@ def c_api(source: str) -> dict[str, tuple[object, list[object]]]:
 
 
 def full_c_api() -> dict[str, tuple[object, list[object]]]:
-    """The C API of all source files together; a name declared twice is an error."""
+    """The C API of all source files and headers together (the core kernels' is kernels.h); a
+    name declared twice is an error."""
     api: dict[str, tuple[object, list[object]]] = {}
-    for f in sources():
+    for f in [*sources(), *headers()]:
         part = c_api(f.read_text())
         twice = api.keys() & part.keys()
         if twice:

@@ -32,7 +32,7 @@ from pagedllm.quantization.weights import QuantizedWeight
 # above it the dense path wins. All 121 linears of SmolLM2-135M, fp32, 2 cores (AMD EPYC Zen 3),
 # packed blocks vs native dense panels: 8 rows 24.1 vs 45.9 ms, 16 rows 37.0 vs 44.3, 20 rows
 # 45.5 vs 51.4, 24 rows 53.8 vs 50.3 ms. Both kernels give the same bits for a row (see
-# kernels/csrc/cpu_kernels.cpp), so this threshold moves speed only, never a logit.
+# kernels/csrc/grouped_gemm.cpp), so this threshold moves speed only, never a logit.
 PACKED_MAX_ROWS = 20
 
 # Bumped whenever any Linear's packed blocks or panels are set or replaced: code that captured their

@@ -130,6 +130,25 @@ inline uint16_t pagedllm_f32_to_f16(float f) {
 #endif
 }
 
+// Whether the core runs 512-bit FMAs at full width (cpu_kernels.cpp, pagedllm_set_wide_fma):
+// AVX-512 builds then take the tile shapes measured faster on such cores. Never the bits.
+extern int g_wide_fma;
+
+// The 16-bit KV cache elements, widened exactly to fp32: bf16 is the top half of an fp32; f16_t
+// is IEEE fp16, as the float16 KV cache (--kv-cache-dtype float16) stores it.
+using bf16_t = uint16_t;
+struct f16_t {
+    uint16_t bits;
+};
+inline float to_f32(float x) { return x; }
+inline float to_f32(f16_t x) { return pagedllm_f16_to_f32(x.bits); }
+inline float to_f32(bf16_t x) {
+    const uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
 // fp32 -> bf16, rounded to nearest even as torch's .to(torch.bfloat16) (a NaN: its 0x7FC0).
 inline uint16_t pagedllm_f32_to_bf16(float f) {
     uint32_t x;
@@ -138,7 +157,7 @@ inline uint16_t pagedllm_f32_to_bf16(float f) {
     return uint16_t((x + 0x7FFFu + ((x >> 16) & 1)) >> 16);
 }
 
-// The dense GEMM's micro-kernel driver (cpu_kernels.cpp): y[rows, cols] (row stride ldy) =
+// The dense GEMM's micro-kernel driver (panel_gemm.cpp): y[rows, cols] (row stride ldy) =
 // x[rows, K] (row stride ldx) @ panel, one 16-column panel stored k-major ([K][16], 32-byte
 // aligned), as reference.pack_panels lays it out.
 constexpr int PAGEDLLM_PANEL = 16;

@@ -6,7 +6,7 @@
 //   up to 256 fp32 values in an L1 buffer and meets every row of x there (memory bound:
 //   one pass over the packed bytes);
 // - many rows (prefill): 16 weight rows at a time are dequantized into one fp32 panel of the
-//   dense GEMM (cpu_kernels.cpp: pagedllm_panel_tiles), which then runs over a chunk of x's
+//   dense GEMM (panel_gemm.cpp: pagedllm_panel_tiles), which then runs over a chunk of x's
 //   rows. The panel is built once per chunk, so its cost is spread over the chunk's rows
 //   (compute bound, the dense kernel's speed).
 // Each block's values are computed with the same fp32 operations, in the same order, as the

@@ -89,7 +89,7 @@ template <int32_t T> constexpr int32_t OFFSET = T == T_Q4_0 ? 8 : 0;
 
 // The first tile over a panel streams its records from DRAM (one- and two-row steps do nothing
 // else): it asks for the record PREFETCH_RECORDS ahead in each of its NP panels, all its
-// lines, into L2 (prefetcht1), as the fp32 grouped GEMM does (cpu_kernels.cpp: prefetch_ahead).
+// lines, into L2 (prefetcht1), as the fp32 grouped GEMM does (grouped_gemm.cpp: prefetch_ahead).
 // Near a panel's end that is the same panel of the thread's next item (its items are
 // consecutive). Later tiles of a chunk find the panel in cache and skip this.
 // Measured on Zen 4 (the int8 mode's 121 linears in turn, 94 MiB, alternated in one process):

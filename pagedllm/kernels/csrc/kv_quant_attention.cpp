@@ -1,10 +1,10 @@
 // Paged attention over reduced-precision KV caches (``--kv-cache-dtype``), and their write path.
 //
-// - paged_attention_kv_{i8,fp8}: the attention of paged_attention_f32 (cpu_kernels.cpp) for
+// - paged_attention_kv_{i8,fp8}: the attention of paged_attention_f32 (paged_attention.cpp) for
 //   caches stored as int8 or fp8 e4m3 (float8_e4m3fn), with one fp32 scale per written token and
 //   KV head ([num_blocks, block_size, num_kv_heads]): value = scale * stored. q, out and all
 //   arithmetic stay fp32. A sliding `window` (0 = none) lets a query at position p see keys
-//   p - window + 1 .. p. (An fp16 cache needs no scale and widens in registers: cpu_kernels.cpp
+//   p - window + 1 .. p. (An fp16 cache needs no scale and widens in registers: paged_attention.cpp
 //   runs it through the fp32 kernel, paged_attention_kv_f16.)
 // - write_kv_{i8,fp8}: quantize this step's K/V rows (one scale per token and head: absmax/127,
 //   or absmax/448 for e4m3) into their slots. No block is ever requantised as it fills.
@@ -342,7 +342,7 @@ void attend_group_kv(float* out, const float* q, int G, const T* key_cache, cons
     // prefetchers cannot follow): the next block's K rows are requested while this one's are
     // used, and each block's V rows too, so pass 2 finds them in L2 (a sequence's V rows of one
     // head are 20 KiB at 320 int8 tokens). A few rows at a time as the block's keys are scored
-    // (prefetch_share), not all at once: as in attend_heads (cpu_kernels.cpp), bursts left
+    // (prefetch_share), not all at once: as in attend_heads (paged_attention.cpp), bursts left
     // DRAM idle between them.
     auto prefetch_share = [&](int64_t b, int64_t i, int64_t parts) {  // part i of `parts`: K of b + 1, V of b
         prefetch_part(key_cache, key_scales, b + 1, i, parts);
