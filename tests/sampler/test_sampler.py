@@ -194,6 +194,47 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert out.logprobs[1] is None
 
 
+def test_the_sampler_applies_penalties_yet_reports_logprobs_of_the_raw_logits(native_or_torch):
+    """A repetition penalty moves the greedy token (token 0 was already said), and the logprobs
+    still describe the model's own distribution: the penalty edits a copy, never the raw row."""
+    batch = SamplingBatch(torch.zeros(1), [None], num_logprobs=[2], penalty_rows=[0], presence=[0.0],
+                          frequency=[0.0], repetition=[4.0], output_ids=[[0]], prompt_ids=[[]])  # fmt: skip
+    logits = LOGITS[None].clone()
+    out = Sampler(0)(logits, batch)
+    assert out.token_ids == [1]  # 2.0 / 4 = 0.5 < 1.5
+    raw = LOGITS.log_softmax(-1)
+    lp = out.logprobs[0]
+    assert lp.top_ids == [0, 1] and lp.token_rank == 2
+    np.testing.assert_allclose(lp.top_logprobs, raw[:2].numpy(), atol=1e-6)
+    assert torch.equal(logits[0], LOGITS)
+
+
+def test_each_row_gets_its_own_number_of_top_logprobs(native_or_torch):
+    batch = SamplingBatch(torch.zeros(3), [None] * 3, num_logprobs=[1, 5, None])
+    out = Sampler(0)(LOGITS.repeat(3, 1), batch)
+    assert [len(lp.top_ids) for lp in out.logprobs[:2]] == [1, 5] and out.logprobs[2] is None
+    assert out.logprobs[1].top_ids == [0, 1, 2, 3, 4]
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_token(native_or_torch):
+    """min_p = 1 is allowed: the threshold is the top probability itself, which stays (a strict
+    comparison; <= masked every token and the draw became NaN)."""
+    counts = sample_many({"min_p": 1.0}, rows=200)
+    assert counts[0] == 200 and counts.sum() == 200
+    probs = Sampler.probs(LOGITS[None], SamplingBatch(torch.ones(1), [None], min_p=torch.ones(1)))
+    assert torch.equal(probs, torch.nn.functional.one_hot(torch.tensor([0]), VOCAB).float())
+
+
+def test_a_logit_bias_is_added_once():
+    batch = SamplingBatch(torch.zeros(2), [None] * 2, num_logprobs=[None] * 2,
+                          logit_bias=[(0, torch.tensor([3, 5]), torch.tensor([1.0, -0.25]))])  # fmt: skip
+    _, masked = Sampler(0).prepare(LOGITS.repeat(2, 1), batch)
+    expected = LOGITS.clone()
+    expected[3] += 1.0
+    expected[5] -= 0.25
+    assert torch.equal(masked[0], expected) and torch.equal(masked[1], LOGITS)
+
+
 def _mask(vocab: int, allowed: list[int]) -> list[int]:
     words = [0] * ((vocab + 31) // 32)
     for t in allowed:
