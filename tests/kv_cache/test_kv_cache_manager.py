@@ -589,3 +589,15 @@ def test_a_swap_pool_with_exactly_enough_room_takes_the_request():
     big = KVCacheManager(num_blocks=8, block_size=4, num_swap_blocks=3)
     assert big.allocate_slots("b", 0, 13)  # 4 blocks
     assert not big.swap_out("b") and big.get_block_ids("b")
+
+
+def test_a_swapped_request_comes_back_into_exactly_enough_free_blocks():
+    """swap_in's room check mirrors swap_out's: needing exactly the free blocks is enough (a strict
+    check would leave a request needing the whole pool swapped out forever); one more is not."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, num_swap_blocks=4)
+    assert kv.allocate_slots("a", 0, 12) and kv.swap_out("a")  # 3 blocks out
+    kv.take_pending_swaps()
+    assert kv.allocate_slots("x", 0, 4)  # 3 blocks left free
+    assert not kv.swap_in("a", 13)  # room for a 13th token needs a 4th block
+    assert kv.swap_in("a", 12) and kv.block_pool.num_free_blocks == 0
+    kv.check_integrity()

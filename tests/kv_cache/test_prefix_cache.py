@@ -168,6 +168,20 @@ def test_blocks_join_the_cache_only_once_computed():
     assert not kv.block_pool.cached_blocks
 
 
+def test_a_chunk_registers_only_the_blocks_it_filled():
+    """A prefill chunk that ends inside a block leaves that block out of the cache: another
+    request with the same prompt must not read K/V that was never written."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=True)
+    tokens = list(range(13))
+    assert kv.get_computed_blocks("a", tokens) == []
+    assert kv.allocate_slots("a", 0, 6)  # the first chunk: tokens 0-5, block 1 half written
+    kv.cache_blocks("a", 6, tokens)
+    assert len(kv.get_computed_blocks("b", tokens)) == 1
+    assert kv.allocate_slots("a", 6, 2)  # the chunk that fills block 1
+    kv.cache_blocks("a", 8, tokens)
+    assert len(kv.get_computed_blocks("c", tokens)) == 2
+
+
 def test_sequential_requests_reuse_the_same_blocks_unless_they_hold_cached_content():
     """The pool's pages are committed when first written: one request after another must cycle
     through the same few blocks, not walk the whole pool - without prefix caching always, with it
