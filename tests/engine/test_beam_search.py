@@ -238,6 +238,23 @@ def test_searches_that_fit_only_one_at_a_time_run_one_after_another():
     assert run([0, 1]) == alone and len(alone) == 2
 
 
+@pytest.mark.parametrize("victim", ["waiting", "running"])
+def test_aborting_one_of_two_searches_that_fit_one_at_a_time(victim):
+    """The setup above, with one search aborted after a step: aborting the waiting one must not
+    start it later (its group is gone: the step would raise), and aborting the running one must
+    give its reserved blocks back and start the waiting one (else the engine spins for ever)."""
+    params = BeamSearchParams(beam_width=3, max_tokens=30)
+    texts = ["The history of the Roman Empire spans many centuries and includes " * 3, "1 2 3 4 5 6 7 8 9 10 " * 3]
+    engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=14), log_stats_interval=0)
+    first, second = (engine.add_beam_search(t, params) for t in texts)
+    engine.step()
+    aborted, survivor = (second, first) if victim == "waiting" else (first, second)
+    outs = engine.abort_request(aborted)
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == aborted] == ["abort"]
+    finished = {o.request_id: o for o in _drain(engine)}
+    assert aborted not in finished and len(finished[survivor].outputs) == 3
+
+
 def _drain(engine, max_steps: int = 2000) -> list:
     outs = []
     for _ in range(max_steps):  # a deadlock never ends
