@@ -72,6 +72,18 @@ def test_a_restarted_engine_loads_the_blocks(tiny_llama, filled_store, cold, tmp
     assert stats.prompt_tokens_total == prompt_tokens
 
 
+def test_a_load_after_a_local_prefix_hit_goes_to_the_blocks_after_it(tiny_llama, filled_store, cold, tmp_path):
+    """A prompt whose first 2 blocks sit in the local prefix cache and the next 4 in the store:
+    the loaded payloads must land in blocks 2..5 (into blocks 0..3 they overwrote the shared
+    cached blocks and left 4 and 5 unwritten: wrong tokens)."""
+    llm = make_llm(tiny_llama, copy_store(filled_store, tmp_path / "s"))
+    shares_two = PROMPTS[1]["prompt_token_ids"][: 2 * BS] + [(5 * j) % 250 + 3 for j in range(40)]
+    run(llm, [{"prompt_token_ids": shares_two}])  # loads blocks 0-1, which then stay cached here
+    before = totals(llm).num_loaded_blocks
+    assert run(llm, [PROMPTS[1]]) == [cold[1]]
+    assert totals(llm).num_loaded_blocks - before == 4
+
+
 def test_chunked_prefill_after_a_load(tiny_llama, filled_store, cold, tmp_path):
     longer = PROMPTS[1]["prompt_token_ids"] + list(range(3, 80))  # 6 stored blocks, then 77 new tokens
     ref = run(make_llm(tiny_llama, None, max_num_batched_tokens=24), [{"prompt_token_ids": longer}])
