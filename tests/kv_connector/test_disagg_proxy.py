@@ -45,8 +45,8 @@ class Served:
 class Instance:
     """A stand-in server: answers after ``delay`` s unless its client leaves first; records both."""
 
-    def __init__(self, delay: float = 0.0):
-        self.delay, self.seen, self.left = delay, [], []
+    def __init__(self, delay: float = 0.0, status: int = 200):
+        self.delay, self.status, self.seen, self.left = delay, status, [], []
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -59,6 +59,8 @@ class Instance:
                     self.left.append(body)
                     return Response(status_code=499)
                 await asyncio.sleep(0.02)
+            if self.status != 200:
+                return JSONResponse({"error": {"message": "refused", "code": self.status}}, status_code=self.status)
             return JSONResponse({"choices": [{"text": "ok"}]})
 
         @app.post("/tokenize")
@@ -77,10 +79,11 @@ class Instance:
 def setup():
     made: list = []
 
-    def make(prefill_delay: float = 0.0, decode_delay: float = 0.0, decode_down: bool = False):
-        prefill, decode = Instance(prefill_delay), Instance(decode_delay)
+    def make(prefill_delay: float = 0.0, decode_delay: float = 0.0, decode_down: bool = False, prefill_status: int = 200,
+             prefill_timeout: float = 30):  # fmt: skip
+        prefill, decode = Instance(prefill_delay, prefill_status), Instance(decode_delay)
         decode_url = f"http://127.0.0.1:{_free_port()}" if decode_down else decode.url
-        proxy = Served(build_proxy_app(ProxyConfig(prefill.url, decode_url, prefill_timeout=30)))
+        proxy = Served(build_proxy_app(ProxyConfig(prefill.url, decode_url, prefill_timeout=prefill_timeout)))
         made.extend([prefill.served, decode.served, proxy])
         return prefill, decode, proxy.url
 
@@ -127,12 +130,26 @@ def test_bad_bodies_get_the_decode_instances_answer_or_a_400_never_a_500(setup):
 
 def test_the_request_id_reaches_the_instances_and_a_down_decode_is_a_503(setup):
     prefill, decode, url = setup()
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "trace-42"}, timeout=10)
+    headers = {"X-Request-Id": "trace-42", "Authorization": "Bearer k"}
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=headers, timeout=10)
     assert r.status_code == 200 and r.headers.get_list("date").__len__() == 1
     assert [h.get("x-request-id") for h, _ in prefill.seen + decode.seen] == ["trace-42", "trace-42"]
+    assert [h.get("authorization") for h, _ in prefill.seen + decode.seen] == ["Bearer k", "Bearer k"]  # API keys
     _, _, down = setup(decode_down=True)
     r = httpx.get(f"{down}/v1/models", timeout=20)
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    assert httpx.get(f"{down}/health", timeout=20).status_code == 503  # a load balancer must skip it
+
+
+@pytest.mark.parametrize("trouble", ["refuses", "hangs"])
+def test_a_prefill_instance_that_refuses_or_hangs_counts_as_failed_and_decode_answers(setup, trouble):
+    """A 4xx from the prefill instance is a failed prefill (the stats must say so), and one that
+    takes longer than --prefill-timeout is given up: the decode instance computes the prompt."""
+    prefill, decode, url = (setup(prefill_status=400) if trouble == "refuses" else setup(prefill_delay=30, prefill_timeout=0.5))
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok" and len(decode.seen) == 1
+    stats = httpx.get(f"{url}/proxy_stats", timeout=10).json()
+    assert (stats["prefill_ok"], stats["prefill_failed"]) == (0, 1), stats
 
 
 def test_model_and_tokenizer_routes_reach_the_decode_instance(setup):
