@@ -150,6 +150,21 @@ def test_default_model_matches_transformers(width, real, default_tokenizer):
         assert_same_beams(mine, oracle_beams(hf, prompt, width, 16, eos, length_penalty=lp, early_stopping=early))
 
 
+def test_beams_that_end_on_eos_leave_it_out_unless_asked(default_tokenizer):
+    """As a plain request's stop token: by default a beam that ended on EOS shows neither the
+    token nor its text (stop_reason names it); include_stop_str_in_output keeps both."""
+    llm = LLM(num_kv_blocks=200, log_stats_interval=0)
+    chat = default_tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=True,
+                                                 add_generation_prompt=True, return_dict=False)  # fmt: skip
+    (eos,) = llm.llm_engine.eos_token_ids
+    for include in (False, True):
+        (out,) = llm.beam_search([{"prompt_token_ids": chat}], BeamSearchParams(beam_width=2, max_tokens=30,
+                                                                             include_stop_str_in_output=include))  # fmt: skip
+        for seq in out.sequences:
+            assert seq.finish_reason == "stop" and seq.stop_reason == eos
+            assert (seq.output_token_ids[-1] == eos) == include and ("<|im_end|>" in seq.text) == include
+
+
 def test_best_of_returns_the_n_best_samples(tiny):
     """best_of=5, n=2 with a seed: the two returned are the two best of the same five samples
     (a seeded n=5 run draws the same five: sample i's seed derives from (seed, i))."""
