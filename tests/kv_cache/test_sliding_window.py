@@ -53,6 +53,14 @@ def test_one_attention_type_keeps_one_group_of_every_layer():
     assert tiny_gemma.windows == (None,) + (24,) * 5 and tiny_gemma.num_slots == 1
 
 
+def test_groups_are_cut_by_the_gcd_of_the_type_counts():
+    """20 sliding and 6 full layers: groups of gcd(20, 6) = 2, every group the same size (the
+    block layout has one slot per layer of a group; groups of min(20, 6) = 6 left one of 2)."""
+    layout = KVCacheLayout.from_windows([8] * 20 + [None] * 6)
+    assert layout.num_slots == 2 and len(layout.groups) == 13
+    assert {len(g.layers) for g in layout.groups} == {2}
+
+
 # --------------------------------------------------------------------------- freeing behind the window
 def test_long_decode_holds_only_the_window():
     """Mistral-like (every layer slides): 10x the window decoded token by token holds at most
@@ -195,6 +203,48 @@ def test_prefix_hit_shrinks_to_a_prefix_whose_window_is_cached():
     # earlier): a 7-block hit.
     assert len(hit) == 7 and hit.groups[0] == full_a[:7] and hit.groups[1][5:] == sliding_a[5:7]
     kv.block_pool.free_block_queue.append(victim)
+    kv.check_integrity()
+
+
+def _evict(kv: KVCacheManager, block) -> None:
+    """Drop a free cached block's content, as handing it out to another request would."""
+    kv.block_pool.free_block_queue.remove(block)
+    del kv.block_pool.cached_blocks[block.block_hash]
+    block.block_hash = None
+    kv.block_pool.free_block_queue.append(block)
+
+
+def test_a_sliding_block_behind_the_window_can_go_without_costing_the_hit():
+    """Sliding blocks 0..5 lie behind the window of the first query after an 8-block hit: evicting
+    block 0 must leave the hit at 8 blocks (all of them were required before: a Gemma 3 prompt
+    lost its whole hit as soon as its oldest sliding block was reused)."""
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True, windows=(None, 8))
+    prompt = list(range(100, 133))  # 33 tokens: 8 full blocks
+    assert kv.allocate_slots("a", 0, 33)
+    sliding_a = list(kv.tables[1]["a"])
+    kv.cache_blocks("a", 33, prompt)
+    kv.remove_skipped_blocks("a", 33)  # sliding blocks 0..5 back to the pool, still cached
+    kv.free("a")
+    _evict(kv, sliding_a[0])
+    hit = kv.get_computed_blocks("b", prompt)
+    assert len(hit) == 8 and hit.groups[1][6:] == sliding_a[6:8]
+    assert kv.allocate_slots("b", 32, 1, hit)
+    kv.check_integrity()
+
+
+def test_a_full_group_chain_broken_early_shortens_every_groups_hit():
+    """The full group's chain ends at block 5 (evicted): the sliding group's hit must end there
+    too, so every group adopts 5 blocks (a 5 / 8 split failed an assertion in allocate_slots,
+    which ends the engine's step)."""
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True, windows=(None, 8))
+    prompt = list(range(100, 133))
+    run_step(kv, "a", 0, 33, prompt)
+    full_a = list(kv.tables[0]["a"])
+    kv.free("a")
+    _evict(kv, full_a[5])
+    hit = kv.get_computed_blocks("b", prompt)
+    assert len(hit) == 5 and [len(g) for g in hit.groups] == [5, 5]
+    assert kv.allocate_slots("b", 20, 13, hit)
     kv.check_integrity()
 
 
