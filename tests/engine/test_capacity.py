@@ -87,6 +87,23 @@ def test_estimate_sliding_window_model(tmp_path):
     check_against_engine(EngineConfig(model=str(path), num_kv_blocks=40, block_size=8, max_num_batched_tokens=64))
 
 
+def test_estimate_gemma3_layers_in_groups(tmp_path):
+    """Gemma 3's 5 sliding + 1 full layers form 6 KV groups of one layer: a token takes a slot in
+    each, so the pool holds blocks x block size / 6 tokens at every layer's K and V per token,
+    and the weights include the local-RoPE tables (the estimate was off by the group count)."""
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "g3", "gemma3_text", num_hidden_layers=6, sliding_window=16)
+    config = EngineConfig(model=str(path), num_kv_blocks=40, block_size=8)
+    report = estimate(config)
+    engine = LLMEngine(config, log_stats_interval=0)
+    assert engine.kv_cache_manager.num_groups == 6
+    assert report.kv.num_tokens == 40 * 8 // 6
+    assert report.kv.bytes_per_token == 2 * 6 * 2 * 256 * 4  # K and V x layers x KV heads x head_dim x fp32
+    assert report.kv.pool_bytes == kv_pool_bytes(engine)
+    assert report.weights.total == held_weight_bytes(engine.runner.model)
+
+
 def test_estimate_cli_json(tiny_llama, capsys):
     assert main(["estimate", "--model", str(tiny_llama), "--num-kv-blocks", "100", "--block-size", "16",
                  "--max-model-len", "512", "--context-len", "300", "--json"]) == 0  # fmt: skip
@@ -123,6 +140,9 @@ def test_estimate_cli_text_and_bad_input(tiny_llama, capsys):
     # ... and so is a --generation-config directory without the file (it printed a report, exit 0)
     assert main(["estimate", "--model", str(tiny_llama), "--generation-config", str(tiny_llama / "nowhere")]) == 2
     assert "no generation_config.json" in capsys.readouterr().err
+    # The engine's refusal of quantization= on a GGUF file (already quantized), the default model's.
+    assert main(["estimate", "--quantization", "int8"]) == 2
+    assert "already quantized" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["config a list", "heads null", "huge header", "pool beyond memory"])
@@ -211,7 +231,7 @@ def test_estimate_counts_the_shipped_heads(method):
         assert beside["EAGLE KV pool"] == sum(t.nbytes for k, v in drafter.cache.layers for p in (k, v) for t in cache_parts(p))
 
 
-def test_estimate_counts_the_swap_pool_in_memory(tiny_llama):
+def test_estimate_counts_the_swap_pool_in_memory(tiny_llama, tmp_path):
     """With preemption_mode="swap" the engine holds a second pool of swap_space GiB; the total
     left it out (found by a review), though the engine's memory check counts it."""
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, preemption_mode="swap", swap_space=0.001)
@@ -221,3 +241,7 @@ def test_estimate_counts_the_swap_pool_in_memory(tiny_llama):
     assert held > 0 and sum(report.beside.values()) == held
     assert report.to_dict()["total_bytes_all_replicas"] == report.weights.total + report.kv.pool_bytes + held
     assert estimate(EngineConfig(model=str(tiny_llama), num_kv_blocks=64)).beside == {}
+    # A file-backed swap pool (swap_path) is disk, not memory.
+    on_disk = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, preemption_mode="swap", swap_space=0.001,
+                           swap_path=str(tmp_path / "swap"))  # fmt: skip
+    assert estimate(on_disk).beside == {}
