@@ -70,3 +70,24 @@ def test_sliding_window_models_are_refused(tmp_path, model_type, overrides):
                           kv_transfer_config={"kv_connector": "disk", "kv_role": "kv_both", "path": str(tmp_path / "kv")})  # fmt: skip
     with pytest.raises(ValueError, match="kv_transfer_config: models with sliding-window layers are not supported"):
         LLMEngine(config, log_stats_interval=0)
+
+
+def test_the_weights_digest_is_by_content_and_its_cache_notices_a_rewrite(tmp_path):
+    """The digest names the weights' bytes (two copies agree), and the cache of digests is keyed
+    by size and mtime too: weights rewritten in place at the same size must get a new digest,
+    else the engine would load KV blocks another model computed."""
+    import os
+
+    from pagedllm.kv_connector.fingerprint import weights_digest
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    a, b, cache = tmp_path / "one" / "m.gguf", tmp_path / "two" / "m.gguf", tmp_path / "digests.json"
+    a.write_bytes(b"weights v1")
+    b.write_bytes(b"weights v1")
+    first = weights_digest(a, cache)
+    assert weights_digest(b) == first and weights_digest(a, cache) == first  # (the second from the cache)
+    stat = a.stat()
+    a.write_bytes(b"weights v2")  # same size
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert weights_digest(a, cache) == weights_digest(a) != first
