@@ -112,8 +112,10 @@ def test_temporary_files_are_never_read_and_stale_ones_are_cleaned(tmp_path):
         f.write_text("not ours")
     for f in [torn, *foreign]:
         os.utime(f, (old, old))
+    fresh = final.with_name(final.name + ".456.ef01.tmp")
+    fresh.write_bytes(b"being written")  # another replica's save in flight: not stale yet
     store(tmp_path)  # a restart cleans it up
-    assert not torn.exists() and all(f.exists() for f in foreign)
+    assert not torn.exists() and all(f.exists() for f in foreign) and fresh.exists()
 
 
 def test_lru_eviction_under_the_cap(tmp_path):
@@ -125,6 +127,20 @@ def test_lru_eviction_under_the_cap(tmp_path):
     s.put(h(3), payload(3))  # over the cap: 1 goes (least recently used)
     assert s.total_bytes == 3 * size and s.num_files == 3
     assert s.contains(h(0)) and not s.contains(h(1)) and s.contains(h(2)) and s.contains(h(3))
+
+
+def test_a_file_deleted_behind_the_stores_back_leaves_its_books(tmp_path):
+    """contains() finding a listed file gone (another process evicted it, someone deleted it)
+    drops it from the index: its bytes no longer count against the cap, which would otherwise
+    evict live blocks early."""
+    size = HEADER.size + 1000
+    s = store(tmp_path, max_bytes=2 * size)
+    s.put(h(1), payload(1))
+    s.put(h(2), payload(2))
+    s.path_of(h(1)).unlink()
+    assert not s.contains(h(1)) and s.num_files == 1 and s.total_bytes == size
+    s.put(h(3), payload(3))  # fits beside 2: nothing evicted
+    assert s.contains(h(2)) and s.contains(h(3))
 
 
 def test_eviction_counts_another_processs_reads(tmp_path):
