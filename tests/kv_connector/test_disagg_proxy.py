@@ -159,3 +159,18 @@ def test_model_and_tokenizer_routes_reach_the_decode_instance(setup):
     assert r.json() == {"tokens": [len(body)]} and r.headers["x-request-id"] == "from-instance"  # its headers too
     assert httpx.get(f"{url}/v1/models/m", timeout=10).json()["id"] == "m"
     assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}, timeout=10).status_code == 404  # the instance's answer
+
+
+def test_the_command_line_flags_reach_the_proxy(monkeypatch):
+    """`pagedllm disagg-proxy ... --prefill-timeout 5` configures the proxy it runs."""
+    import uvicorn
+
+    from pagedllm.entrypoints import cli, disagg_proxy
+
+    built, ran = [], []
+    monkeypatch.setattr(disagg_proxy, "build_proxy_app", lambda config: built.append(config) or "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append((app, kw)))
+    assert cli.main(["disagg-proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--prefill-timeout", "5",
+                     "--port", "8123"]) == 0  # fmt: skip
+    assert built == [ProxyConfig("http://p:1", "http://d:2", prefill_timeout=5.0)]
+    assert ran == [("app", {"host": "127.0.0.1", "port": 8123, "log_level": "warning"})]
