@@ -358,3 +358,21 @@ def test_admission_bounds_a_sliding_group_by_the_long_prefill_cap():
         most = max(most, kv.num_blocks - kv.num_free_blocks)
         sched.update_from_output(out, [[7] if s.samples else [] for s in out.scheduled])
     assert most <= kv.max_blocks_held(60, 5) and len(req.output_token_ids) == 20
+
+
+def test_cached_blocks_leave_in_prefix_order_so_prefixes_stay_longest():
+    """Freed cached blocks join the free queue's tail in eviction order: behind the window the
+    sliding group's oldest first; at the end both groups' later positions first, so a request's
+    prefix blocks are the last of its blocks to be evicted."""
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True, windows=(None, 8))
+    prompt = list(range(100, 125))  # 25 tokens: 6 full blocks
+    assert kv.allocate_slots("a", 0, 25)
+    full_a, sliding_a = list(kv.tables[0]["a"]), list(kv.tables[1]["a"])
+    kv.cache_blocks("a", 25, prompt)
+    kv.remove_skipped_blocks("a", 25)  # sliding blocks 0..3 go behind the window
+    cached_tail = [b for b in kv.block_pool.free_block_queue if b.block_hash is not None]
+    assert cached_tail == sliding_a[:4]  # oldest first
+    kv.free("a")
+    cached = [b for b in kv.block_pool.free_block_queue if b.block_hash is not None]
+    later = cached[4:]  # what free() appended: cached blocks 5, 4 of both groups, then the full group's 3..0
+    assert later == [full_a[5], sliding_a[5], full_a[4], sliding_a[4], full_a[3], full_a[2], full_a[1], full_a[0]]
