@@ -67,6 +67,47 @@ def test_tiny_model_matches_transformers(tiny, width, lp, early, ignore_eos):
     assert kv.num_free_blocks == kv.num_blocks  # every beam's blocks came back
 
 
+@pytest.fixture(scope="module")
+def tiny_frequent_eos(tiny_llama, tmp_path_factory):
+    """The tiny model with token 92 as its EOS: a token its beams rank in their top 8 at most
+    steps, so searches finish hypotheses all along (with token 2 few ever did: a mutation audit
+    changed how finished hypotheses are kept, ranked and bounded, and no parity case noticed)."""
+    import json
+    import shutil
+
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-eos") / "m"
+    shutil.copytree(tiny_llama, path)
+    for name in ("config.json", "generation_config.json"):
+        if (path / name).exists():
+            cfg = json.loads((path / name).read_text())
+            cfg["eos_token_id"] = 92
+            (path / name).write_text(json.dumps(cfg))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = LLM(str(path), num_kv_blocks=300, block_size=4, log_stats_interval=0)
+    assert llm.llm_engine.eos_token_ids == {92}
+    return llm, hf
+
+
+@pytest.mark.parametrize(
+    "width,lp,early,max_tokens",
+    [(2, 1.0, False, 10), (3, 1.0, False, 24), (4, 1.0, True, 10), (4, 0.5, False, 24), (3, 2.0, "never", 10),
+     (4, 1.5, "never", 24), (2, 0.5, "never", 24), (4, -0.5, False, 10)],
+)  # fmt: skip
+def test_tiny_model_matches_transformers_when_beams_meet_eos_often(tiny_frequent_eos, width, lp, early, max_tokens):
+    """Longer searches too: whether a search may stop before max_tokens (its worst kept
+    hypothesis, "never"'s bound at max_tokens) decides which beams come back."""
+    llm, hf = tiny_frequent_eos
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=lp, early_stopping=early,
+                              include_stop_str_in_output=True)  # fmt: skip
+    for prompt in (PROMPT, PROMPT[3:], [7, 7, 7, 120, 9], [1, 2, 3, 4, 5, 6]):
+        (mine,) = llm.beam_search([{"prompt_token_ids": prompt}], params)
+        mine.length_penalty = lp
+        theirs = oracle_beams(hf, prompt, width, max_tokens, [92], length_penalty=lp, early_stopping=early)
+        assert_same_beams(mine, theirs)
+
+
 def test_beams_share_the_prompt_and_free_dead_beams(tiny_llama):
     """Peak blocks of a 4-beam search: the prompt's blocks once plus about one tail per beam."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=4,
