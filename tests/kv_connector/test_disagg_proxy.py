@@ -120,6 +120,7 @@ def test_bad_bodies_get_the_decode_instances_answer_or_a_400_never_a_500(setup):
     nan = b'{"prompt": "x", "temperature": NaN, "max_tokens": 1e400}'
     r = httpx.post(f"{url}/v1/completions", content=nan, headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 200 and decode.seen[-1][1] == nan  # the client's bytes, for the instance to judge
+    assert prefill.seen == [] and httpx.get(f"{url}/proxy_stats", timeout=10).json()["prefill_failed"] == 1  # (not sendable)
     deep = httpx.post(f"{url}/v1/completions", content=b"[" * 100_000, timeout=10)
     assert deep.status_code == 400 and deep.json()["error"]["code"] == 400
     for method, path, status in (("GET", "/nowhere", 404), ("GET", "/v1/completions", 405)):
@@ -174,3 +175,12 @@ def test_the_command_line_flags_reach_the_proxy(monkeypatch):
                      "--port", "8123"]) == 0  # fmt: skip
     assert built == [ProxyConfig("http://p:1", "http://d:2", prefill_timeout=5.0)]
     assert ran == [("app", {"host": "127.0.0.1", "port": 8123, "log_level": "warning"})]
+
+
+def test_the_prefill_leg_asks_for_one_token_of_one_sample():
+    from pagedllm.entrypoints.disagg_proxy import prefill_body
+
+    body = {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}, "n": 3,
+            "best_of": 4, "min_tokens": 5, "max_completion_tokens": 40, "temperature": 0.5}  # fmt: skip
+    assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "stream": False, "n": 1, "temperature": 0.5,
+                                  "min_tokens": 0, "max_completion_tokens": 1}  # fmt: skip
