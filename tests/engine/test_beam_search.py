@@ -108,6 +108,19 @@ def test_tiny_model_matches_transformers_when_beams_meet_eos_often(tiny_frequent
         assert_same_beams(mine, theirs)
 
 
+def test_a_search_whose_prompt_is_prefilled_in_chunks(tiny, tiny_llama):
+    """A prompt longer than the step's token budget is prefilled over several steps (the chunks
+    before the last sample nothing) before the beams branch: they equal the unchunked engine's."""
+    llm, _ = tiny
+    prompt = [(11 * j) % 240 + 3 for j in range(45)]
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    (whole,) = llm.beam_search([{"prompt_token_ids": prompt}], params)
+    chunked = LLM(str(tiny_llama), num_kv_blocks=300, block_size=4, max_num_batched_tokens=16, log_stats_interval=0)
+    (parts,) = chunked.beam_search([{"prompt_token_ids": prompt}], params)
+    assert [s.output_token_ids for s in parts.sequences] == [s.output_token_ids for s in whole.sequences]
+    assert len(parts.sequences) == 3 and all(len(s.output_token_ids) == 8 for s in parts.sequences)
+
+
 def test_beams_share_the_prompt_and_free_dead_beams(tiny_llama):
     """Peak blocks of a 4-beam search: the prompt's blocks once plus about one tail per beam."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=4,
