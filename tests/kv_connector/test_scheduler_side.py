@@ -17,12 +17,12 @@ BS, BLOCK_BYTES = 4, 64
 FP = b"\x07" * 32
 
 
-def setup(tmp_path, num_tokens: int = 19):
+def setup(tmp_path, num_tokens: int = 19, stored: bool = True):
     store = DiskKVStore(tmp_path, FP, FP.hex()[:8], 1 << 20, StatsBox())
     kv = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
     req = Request("r", None, list(range(10, 10 + num_tokens)), SamplingParams(max_tokens=4))
     hashes = kv.block_hashes("r", req.all_token_ids, extra_keys=req.cache_keys)
-    for i, h in enumerate(hashes):  # every full block of the prompt is stored, block i filled with i
+    for i, h in enumerate(hashes if stored else []):  # every full block of the prompt, block i filled with i
         store.put(h, memoryview(np.full(BLOCK_BYTES, i, dtype=np.uint8)))
     config = KVTransferConfig(kv_connector="disk", kv_role="kv_both", path=str(tmp_path))
     return SchedulerConnector(store, config, BS, BLOCK_BYTES, StatsBox()), kv, req
@@ -50,3 +50,22 @@ def test_the_lookup_of_a_request_that_is_gone_is_dropped(tmp_path):
     assert conn.lookup(req, 0, kv) == 4 * BS and "r" in conn._pending
     assert conn.build_meta(SimpleNamespace(scheduled=[]), {}, kv) is None
     assert not conn._pending
+
+
+def test_a_request_preempted_and_recomputed_saves_its_blocks_again(tmp_path):
+    """After a recompute preemption a request computes its blocks again from 0; blocks the
+    store lost in between must be saved again (the ranges started where the last save ended)."""
+    import shutil
+    from types import SimpleNamespace
+
+    conn, kv, req = setup(tmp_path, stored=False)
+    step = SimpleNamespace(req_id="r", num_computed_tokens=0, num_new_tokens=12, spec_token_ids=[], block_ids=[3, 4, 5])
+    first = conn.build_meta(SimpleNamespace(scheduled=[step]), {"r": req}, kv)
+    assert [s.block_id for s in first.saves] == [3, 4, 5]
+    for s in first.saves:  # what the saver writes
+        conn.store.put(s.block_hash, memoryview(np.zeros(BLOCK_BYTES, dtype=np.uint8)))
+    shutil.rmtree(conn.store.dir)  # the store loses them (evicted, deleted) ...
+    conn.store.dir.mkdir()
+    again = SimpleNamespace(req_id="r", num_computed_tokens=0, num_new_tokens=12, spec_token_ids=[], block_ids=[7, 8, 9])
+    second = conn.build_meta(SimpleNamespace(scheduled=[again]), {"r": req}, kv)  # ... and the request starts over
+    assert [s.block_id for s in second.saves] == [7, 8, 9]
