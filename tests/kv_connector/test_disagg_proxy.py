@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.disagg_proxy import ProxyConfig, build_proxy_app
 
@@ -53,6 +53,19 @@ class Instance:
         async def completions(request: Request) -> Response:
             body = await request.body()
             self.seen.append((dict(request.headers), body))
+            if b'"stream":true' in body.replace(b" ", b""):  # a chunk every 20 ms for `delay` s; one that leaves is noted
+                async def chunks():
+                    try:
+                        deadline = time.monotonic() + self.delay
+                        while time.monotonic() < deadline:
+                            yield b'data: {"choices": [{"text": "x"}]}\n\n'
+                            await asyncio.sleep(0.02)
+                        yield b"data: [DONE]\n\n"
+                    except BaseException:
+                        self.left.append(body)
+                        raise
+
+                return StreamingResponse(chunks(), media_type="text/event-stream")
             deadline = time.monotonic() + self.delay
             while time.monotonic() < deadline:
                 if await request.is_disconnected():
@@ -104,6 +117,14 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it_on_the_decode_ins
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 500}, timeout=1.0)
     assert _wait(lambda: decode.left), "the decode instance kept computing for a client that had gone"
+
+
+def test_a_client_that_leaves_a_stream_closes_it_on_the_decode_instance(setup):
+    prefill, decode, url = setup(decode_delay=30)
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "x", "stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # the first chunk came through; then the client goes
+    assert _wait(lambda: decode.left), "the decode instance kept streaming to a client that had gone"
 
 
 def test_a_client_that_leaves_during_the_prefill_is_never_sent_to_the_decode_instance(setup):
