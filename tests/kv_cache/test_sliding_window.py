@@ -184,6 +184,14 @@ def test_prefix_hit_needs_only_the_window_of_a_sliding_group():
     kv.check_integrity()
 
 
+def _evict(kv: KVCacheManager, block) -> None:
+    """Drop a free cached block's content, as handing it out to another request would."""
+    kv.block_pool.free_block_queue.remove(block)
+    del kv.block_pool.cached_blocks[block.block_hash]
+    block.block_hash = None
+    kv.block_pool.free_block_queue.append(block)
+
+
 def test_prefix_hit_shrinks_to_a_prefix_whose_window_is_cached():
     bs, window = 4, 8
     kv = KVCacheManager(num_blocks=40, block_size=bs, enable_caching=True, windows=(None, window))
@@ -193,25 +201,12 @@ def test_prefix_hit_shrinks_to_a_prefix_whose_window_is_cached():
     kv.cache_blocks("a", 33, prompt)
     kv.remove_skipped_blocks("a", 33)  # sliding blocks 0..5 back to the pool, still cached
     kv.free("a")
-    # Evict the sliding group's block 7 only (take it out of the free queue and drop its hash).
-    victim = sliding_a[7]
-    kv.block_pool.free_block_queue.remove(victim)
-    del kv.block_pool.cached_blocks[victim.block_hash]
-    victim.block_hash = None
+    _evict(kv, sliding_a[7])  # the sliding group's block 7 only
     hit = kv.get_computed_blocks("b", prompt)
     # 7 blocks would need 21..27 = sliding blocks 5, 6 (still cached, freed behind the window
     # earlier): a 7-block hit.
     assert len(hit) == 7 and hit.groups[0] == full_a[:7] and hit.groups[1][5:] == sliding_a[5:7]
-    kv.block_pool.free_block_queue.append(victim)
     kv.check_integrity()
-
-
-def _evict(kv: KVCacheManager, block) -> None:
-    """Drop a free cached block's content, as handing it out to another request would."""
-    kv.block_pool.free_block_queue.remove(block)
-    del kv.block_pool.cached_blocks[block.block_hash]
-    block.block_hash = None
-    kv.block_pool.free_block_queue.append(block)
 
 
 def test_a_sliding_block_behind_the_window_can_go_without_costing_the_hit():
