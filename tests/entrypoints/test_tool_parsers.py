@@ -124,18 +124,22 @@ def test_named_call_cut_by_a_stop_string_is_not_a_tool_call():
     assert made and "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
 
 
+class _AbortRecorder:
+    """The engine as ``_aborting_on_exit`` sees it: the request ids it was asked to abort."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
 def test_a_failure_in_the_servers_own_stream_code_ends_with_an_error_event():
     """Not only engine errors: any exception while a stream is written gives the client an
     error event and [DONE] (a parser bug cut streams off mid-body), and aborts the request."""
     import asyncio
 
     from pagedllm.entrypoints.openai.serving import _aborting_on_exit
-
-    class Engine:
-        aborted: list[str] = []
-
-        def abort(self, rid: str) -> None:
-            self.aborted.append(rid)
 
     async def body():
         yield "data: {}\n\n"
@@ -144,7 +148,7 @@ def test_a_failure_in_the_servers_own_stream_code_ends_with_an_error_event():
     async def collect(engine):
         return [chunk async for chunk in _aborting_on_exit(engine, ["r1"], body())]
 
-    engine = Engine()
+    engine = _AbortRecorder()
     chunks = asyncio.run(collect(engine))
     assert chunks[0] == "data: {}\n\n" and chunks[-1] == "data: [DONE]\n\n"
     error = json.loads(chunks[1].removeprefix("data: "))["error"]
@@ -158,13 +162,6 @@ def test_a_client_leaving_after_the_first_chunk_aborts_requests_no_stream_has_st
     import asyncio
 
     from pagedllm.entrypoints.openai.serving import _aborting_on_exit
-
-    class Engine:
-        def __init__(self) -> None:
-            self.aborted: list[str] = []
-
-        def abort(self, rid: str) -> None:
-            self.aborted.append(rid)
 
     started = []
 
@@ -183,7 +180,7 @@ def test_a_client_leaving_after_the_first_chunk_aborts_requests_no_stream_has_st
         await stream.aclose()  # what the server does when the client disconnects
         return first
 
-    engine = Engine()
+    engine = _AbortRecorder()
     assert asyncio.run(leave_after_first(engine)).startswith("data: ")
     assert engine.aborted == ["r1-0", "r1-1"] and not started
 
