@@ -280,14 +280,20 @@ def test_a_search_without_max_tokens_runs_to_the_longest_that_fits(tiny_llama):
     assert engine.kv_cache_manager.num_free_blocks == 20
 
 
+def _one_at_a_time() -> tuple[BeamSearchParams, list[str], LLMEngine]:
+    """Two searches that each fit the pool alone but not together: the default model, 14 blocks
+    of 16 tokens, 3 beams of 30 tokens."""
+    params = BeamSearchParams(beam_width=3, max_tokens=30)
+    texts = ["The history of the Roman Empire spans many centuries and includes " * 3, "1 2 3 4 5 6 7 8 9 10 " * 3]
+    return params, texts, LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=14), log_stats_interval=0)
+
+
 def test_searches_that_fit_only_one_at_a_time_run_one_after_another():
     """Two searches that each fit the pool alone but not together (the default model, 14 blocks
     of 16 tokens): the second waits until the first ends. Before, both started, filled the pool
     with beams waiting for their siblings, and the engine spun forever with nothing scheduled
     (found by an adversarial session). Both give what they give alone; every block comes back."""
-    params = BeamSearchParams(beam_width=3, max_tokens=30)
-    texts = ["The history of the Roman Empire spans many centuries and includes " * 3, "1 2 3 4 5 6 7 8 9 10 " * 3]
-    engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=14), log_stats_interval=0)
+    params, texts, engine = _one_at_a_time()
 
     def run(which: list[int]) -> dict[int, list[list[int]]]:
         ids = {engine.add_beam_search(texts[i], params): i for i in which}
@@ -312,9 +318,7 @@ def test_aborting_one_of_two_searches_that_fit_one_at_a_time(victim):
     """The setup above, with one search aborted after a step: aborting the waiting one must not
     start it later (its group is gone: the step would raise), and aborting the running one must
     give its reserved blocks back and start the waiting one (else the engine spins for ever)."""
-    params = BeamSearchParams(beam_width=3, max_tokens=30)
-    texts = ["The history of the Roman Empire spans many centuries and includes " * 3, "1 2 3 4 5 6 7 8 9 10 " * 3]
-    engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=14), log_stats_interval=0)
+    params, texts, engine = _one_at_a_time()
     first, second = (engine.add_beam_search(t, params) for t in texts)
     engine.step()
     aborted, survivor = (second, first) if victim == "waiting" else (first, second)
