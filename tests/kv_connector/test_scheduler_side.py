@@ -3,6 +3,9 @@ payloads go (the engine tests run it end to end)."""
 
 from __future__ import annotations
 
+import shutil
+from types import SimpleNamespace
+
 import numpy as np
 
 from pagedllm.config import KVTransferConfig
@@ -44,8 +47,6 @@ def test_the_lookup_of_a_request_that_is_gone_is_dropped(tmp_path):
     """A request looked up but aborted before admission leaves nothing behind: its payload
     buffers go back to the store at the next step (a later request reusing the id must read
     its own blocks)."""
-    from types import SimpleNamespace
-
     conn, kv, req = setup(tmp_path)
     assert conn.lookup(req, 0, kv) == 4 * BS and "r" in conn._pending
     assert conn.build_meta(SimpleNamespace(scheduled=[]), {}, kv) is None
@@ -55,9 +56,6 @@ def test_the_lookup_of_a_request_that_is_gone_is_dropped(tmp_path):
 def test_a_request_preempted_and_recomputed_saves_its_blocks_again(tmp_path):
     """After a recompute preemption a request computes its blocks again from 0; blocks the
     store lost in between must be saved again (the ranges started where the last save ended)."""
-    import shutil
-    from types import SimpleNamespace
-
     conn, kv, req = setup(tmp_path, stored=False)
     step = SimpleNamespace(req_id="r", num_computed_tokens=0, num_new_tokens=12, spec_token_ids=[], block_ids=[3, 4, 5])
     first = conn.build_meta(SimpleNamespace(scheduled=[step]), {"r": req}, kv)
