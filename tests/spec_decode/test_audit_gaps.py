@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.sampler.sampler import Sampler, SamplingBatch
-from pagedllm.spec_decode.draft_length import VERIFY_COST_PER_TOKEN, DraftCost, verify_cost
+from pagedllm.spec_decode.draft_length import DraftCost
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.spec_decode.rejection import verify_drafts
 
@@ -44,24 +44,6 @@ def test_greedy_verification_takes_the_argmax_after_logit_bias(native_or_torch):
                           logit_bias=[(r, ids, bias) for r in range(3)])  # fmt: skip
     assert verify_drafts(Sampler(0), logits, batch, [[6, 6]])[0] == [[6, 6, 6]]
     assert verify_drafts(Sampler(0), logits, batch, [[0, 3]])[0] == [[6]]
-
-
-def test_the_verify_price_is_int8_only_when_int8_bytes_are_most_of_the_step():
-    """Exactly half the bytes in int8 is not "most": the exact mode's price stands."""
-    from types import SimpleNamespace
-
-    from torch import nn
-
-    class Lin(nn.Module):
-        def __init__(self, nbytes: int, bits: int | None):
-            super().__init__()
-            self.int8 = SimpleNamespace(bits=bits) if bits else None
-            self.nbytes = nbytes
-
-        def step_nbytes(self) -> int:
-            return self.nbytes
-
-    assert verify_cost(nn.Sequential(Lin(500, 8), Lin(500, None))) == VERIFY_COST_PER_TOKEN
 
 
 def test_a_request_that_drafts_again_probes_from_the_first_wait_when_it_fails_again():

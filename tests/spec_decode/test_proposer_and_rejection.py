@@ -344,6 +344,7 @@ def test_the_verify_price_follows_the_targets_kernels():
     assert verify_cost(nn.Sequential(Lin(900, 8), Lin(100, None))) == VERIFY_COST_INT8
     assert verify_cost(nn.Sequential(Lin(900, 16), Lin(100, None))) == VERIFY_COST_PER_TOKEN
     assert verify_cost(nn.Sequential(Lin(400, 8), Lin(600, None))) == VERIFY_COST_PER_TOKEN
+    assert verify_cost(nn.Sequential(Lin(500, 8), Lin(500, None))) == VERIFY_COST_PER_TOKEN  # half is not most
     assert VERIFY_COST_INT8 < VERIFY_COST_PER_TOKEN
     # At an acceptance rate where exact verification pays for 3 tokens, cheap verification pays for more.
     s = _State([1, 2, 3])
