@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
+from tests.engine.test_async_streams import _finish_reason, _until
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 GUARD = 30.0  # only a hang guard: a missing answer fails the test instead of hanging it
@@ -29,20 +30,6 @@ def llm(tiny_llama):
     engine = _new(tiny_llama)
     yield engine
     engine.shutdown()
-
-
-async def _finish_reason(stream) -> str:
-    reason = None
-    async for out in stream:
-        reason = out.outputs[0].finish_reason
-    return reason
-
-
-async def _until(predicate, timeout: float = GUARD) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def test_a_batch_refused_part_way_withdraws_the_requests_already_added(llm):
