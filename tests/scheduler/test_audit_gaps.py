@@ -21,6 +21,7 @@ from tests.scheduler.test_scheduler import (
 
 
 def _sampled(sched, out):
+    """What ``step`` feeds back, for a swap-mode step (``step``'s checks expect recompute)."""
     return [[fake_token(sched.requests[s.req_id])] if s.samples else [] for s in out.scheduled]
 
 
@@ -136,8 +137,7 @@ def test_an_in_flight_request_is_not_chosen_as_victim_for_an_older_one():
     a, b = make_request("a", 8, 4), make_request("b", 8, 4)
     for r in (a, b):
         sched.add_request(r)
-    out = sched.schedule()
-    sched.update_from_output(out, _sampled(sched, out))
+    step(sched)
     blocked = sched.schedule(in_flight={"b"})
     assert blocked.is_empty and not blocked.preempted_ids
     assert sched.running == [a, b] and b.status is RequestStatus.RUNNING
