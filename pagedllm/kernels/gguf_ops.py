@@ -87,10 +87,11 @@ def get_rows(data: torch.Tensor, qtype: str, ids: torch.Tensor, in_features: int
     """fp32 rows ``ids`` ([n] int64) of a GGUF tensor: an embedding lookup."""
     type_id = _native_type(qtype)
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if type_id is None:
-        return dequantize(data[flat.cpu()], qtype, in_features).reshape(*ids.shape, in_features)
+    # Both paths refuse the same ids (the twin would otherwise count negative ones from the end).
     if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= data.shape[0]):
         raise IndexError(f"row ids outside [0, {data.shape[0]})")
+    if type_id is None:
+        return dequantize(data[flat.cpu()], qtype, in_features).reshape(*ids.shape, in_features)
     _check_rows(data, qtype, in_features)
     out = torch.empty(len(flat), in_features, dtype=torch.float32)
     status = ops.load_kernels().gguf_get_rows_f32(
