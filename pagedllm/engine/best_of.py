@@ -4,8 +4,8 @@ The samples are an ordinary ``n = best_of`` request (engine/parallel_sampling.py
 prompt's KV blocks through the prefix cache), with logprobs switched on so each sample's
 cumulative logprob is summed as it is drawn. Its one final output (never deltas: which samples
 win is known only at the end) is cut to the best n, re-indexed 0..n-1 in that order; the
-logprobs (and the cumulative logprob) are dropped again when the request did not ask for them. As vLLM, streaming is not
-available with best_of > n.
+logprobs (and the cumulative logprob) are dropped again when the request did not ask for them. An aborted or
+failed request's picks all end with that reason. As vLLM, streaming is not available with best_of > n.
 """
 
 from __future__ import annotations
@@ -45,9 +45,16 @@ class BestOf:
             if pick is None or not out.finished:
                 continue
             del self._picks[out.request_id]
-            best = sorted(out.outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[: pick.n]
+            # A sample without tokens has no logprob to rank by (0.0 would rank it first).
+            best = sorted(out.outputs, key=lambda o: (not o.token_ids, -(o.cumulative_logprob or 0.0)))[: pick.n]
+            # Aborted or failed, the request's picks say so: they were chosen among unfinished
+            # samples, and a caller must not read a completed request from them.
+            reasons = {o.finish_reason for o in out.outputs}
+            cut = "error" if "error" in reasons else "abort" if "abort" in reasons else None
             for i, o in enumerate(best):
                 o.index = i
+                if cut is not None and o.finish_reason != cut:
+                    o.finish_reason, o.stop_reason = cut, None
                 if not pick.keep_logprobs:  # as any request without logprobs: neither is reported
                     o.logprobs = None
                     o.cumulative_logprob = None

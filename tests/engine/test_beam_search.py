@@ -240,6 +240,40 @@ def test_best_of_returns_the_n_best_samples(tiny):
         SamplingParams(n=3, best_of=2)
 
 
+def test_an_aborted_best_of_request_says_so(tiny):
+    """Aborted while some samples had already stopped, a best_of request's picks end as "abort":
+    they were chosen among unfinished samples. (The stopped ones, with fewer tokens, have the
+    higher cumulative logprobs: ranked as they were, the caller saw only "stop".)"""
+    engine = tiny[0].llm_engine
+    mixed = 0
+    for seed in range(20):
+        params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=seed, max_tokens=40,
+                                allowed_token_ids=[7, 9], stop_token_ids=[9])  # fmt: skip
+        engine.add_request({"prompt_token_ids": PROMPT}, params, f"a{seed}")
+        if any(o.finished for _ in range(3) for o in engine.step()):
+            continue  # every sample stopped first
+        stopped = sum(sample not in engine.scheduler.requests for sample in engine._samples_of[f"a{seed}"])
+        (out,) = [o for o in engine.abort_request(f"a{seed}") if o.request_id == f"a{seed}"]
+        assert out.finished and [o.index for o in out.outputs] == [0, 1]
+        assert [o.finish_reason for o in out.outputs] == ["abort", "abort"]
+        assert all(o.stop_reason is None for o in out.outputs)
+        mixed += stopped > 0
+    assert mixed  # some seeds had stopped samples beside running ones when aborted
+    assert not engine.has_unfinished_requests()
+
+
+def test_best_of_ranks_a_sample_without_tokens_last():
+    """An aborted sample that drew no token has no cumulative logprob to rank by."""
+    from pagedllm.engine.best_of import BestOf
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+
+    picks = BestOf()
+    picks.add("r", SamplingParams(n=1, best_of=2, logprobs=0))
+    samples = [CompletionOutput(0, "", [], 0.0, [], "abort"), CompletionOutput(1, "ab", [3, 4], -2.5, [], "abort")]
+    (out,) = picks.select([RequestOutput("r", None, [1], samples, finished=True)])
+    assert [o.token_ids for o in out.outputs] == [[3, 4]]
+
+
 def test_use_beam_search_in_sampling_params(tiny):
     """The server's path: SamplingParams(use_beam_search, best_of, length_penalty) -> the n best beams."""
     llm, _ = tiny
