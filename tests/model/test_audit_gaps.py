@@ -31,6 +31,15 @@ def _write(path, alignment: int | None = None, names: tuple[str, ...] = ("aaa", 
     w.close()
 
 
+def _assert_greedy_as_transformers(llm: LLM, hf) -> None:
+    """Eight greedy tokens after a short and a longer prompt, as transformers gives them."""
+    prompts = [[5, 6, 7], list(range(3, 30))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == oracle_greedy(hf, p, 8)
+
+
 @pytest.mark.parametrize("alignment", [64, 256])
 def test_tensor_data_starts_at_the_files_own_alignment(tmp_path, alignment):
     path = tmp_path / "aligned.gguf"
@@ -60,11 +69,7 @@ def test_a_mistral_gguf_has_its_qk_rows_put_back(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     llm = LLM(str(path), dtype="float32", num_kv_blocks=32, log_stats_interval=1e9)
     assert llm.llm_engine.runner.model.arch.architecture == "mistral"
-    prompts = [[5, 6, 7], list(range(3, 30))]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == oracle_greedy(hf, p, 8)
+    _assert_greedy_as_transformers(llm, hf)
 
 
 def test_a_header_one_byte_short_in_its_last_string_is_a_clear_error(tmp_path):
@@ -174,11 +179,7 @@ def test_a_qwen2_gguf_with_qkv_biases_matches_transformers(tmp_path):
                 p.copy_(torch.from_numpy(biases[name]))
     llm = LLM(str(tmp_path / "qwen2.gguf"), dtype="float32", num_kv_blocks=32, log_stats_interval=1e9)
     assert llm.llm_engine.runner.model.arch.qkv_bias
-    prompts = [[5, 6, 7], list(range(3, 30))]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == oracle_greedy(hf, p, 8)
+    _assert_greedy_as_transformers(llm, hf)
 
 
 def test_gemma2_soft_caps_of_zero_mean_none(tmp_path):
