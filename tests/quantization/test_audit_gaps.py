@@ -210,12 +210,13 @@ def test_a_linear_of_partial_blocks_is_a_clear_error():
 
 
 def test_available_memory_is_meminfos_figure_in_bytes():
-    """/proc/meminfo gives MemAvailable in kB; the placement compares bytes."""
+    """/proc/meminfo gives MemAvailable in kB; the placement compares bytes. (The figure moves
+    as other processes allocate: a factor of 2 either way still tells bytes from kB.)"""
     from pagedllm.quantization.placement import available_memory
 
     kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
     got = available_memory()
-    assert abs(got - kib * 1024) <= 0.1 * kib * 1024 and got % 1024 == 0
+    assert kib * 512 <= got <= kib * 2048 and got % 1024 == 0
 
 
 @pytest.mark.parametrize("native", [True, False])
