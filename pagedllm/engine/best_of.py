@@ -46,7 +46,8 @@ class BestOf:
                 continue
             del self._picks[out.request_id]
             # A sample without tokens has no logprob to rank by (0.0 would rank it first).
-            best = sorted(out.outputs, key=lambda o: (not o.token_ids, -(o.cumulative_logprob or 0.0)))[: pick.n]
+            ranked = sorted(out.outputs, key=lambda o: (not o.token_ids, -(o.cumulative_logprob or 0.0)))
+            best = ranked[: pick.n]
             # Aborted or failed, the request's picks say so: they were chosen among unfinished
             # samples, and a caller must not read a completed request from them.
             reasons = {o.finish_reason for o in out.outputs}
