@@ -108,24 +108,29 @@ class HermesToolParser(ToolParser):
 
 
 class _WholeReplyParser(ToolParser):
-    """Formats where the whole reply is the calls: decided by its first visible character."""
+    """Formats where the whole reply is the calls: decided by its first visible character, or
+    by the special token a model may write before its calls (``tag``, which extract takes too)."""
 
     first_char = ""
+    tag = ""
 
     def call_start(self, text: str) -> int | None:
         stripped = text.lstrip()
-        return len(text) - len(stripped) if stripped.startswith(self.first_char) else None
+        starts = stripped.startswith(self.first_char) or bool(self.tag) and stripped.startswith(self.tag)
+        return len(text) - len(stripped) if starts else None
 
     def holdback(self, text: str) -> int:
-        return len(text) if not text.strip() else 0
+        stripped = text.lstrip()
+        return len(text) if not stripped or (self.tag and self.tag.startswith(stripped)) else 0
 
 
 class Llama3JsonToolParser(_WholeReplyParser):
     name = "llama3_json"
     first_char = "{"
+    tag = "<|python_tag|>"
 
     def _extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = text.strip().removeprefix(self.tag).strip()
         if not body.startswith("{"):
             return text, []
         decoder, calls, i = json.JSONDecoder(), [], 0
@@ -143,9 +148,10 @@ class Llama3JsonToolParser(_WholeReplyParser):
 class PythonicToolParser(_WholeReplyParser):
     name = "pythonic"
     first_char = "["
+    tag = "<|python_start|>"
 
     def _extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        body = text.strip().removeprefix(self.tag).removesuffix("<|python_end|>").strip()
         try:
             tree = ast.parse(body, mode="eval").body
         except SyntaxError:  # (not a ValueError)
