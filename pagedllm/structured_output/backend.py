@@ -109,14 +109,16 @@ def control_character_in(pattern: str) -> str | None:
     character would be written raw, which JSON forbids (an adversarial session saw a raw newline
     in an output ending with "stop", and a tab, which the JSON rows of the mask ban, leave a row
     with no token at all)."""
-    i = 0
+    i, in_class = 0, False
     while i < len(pattern):
         c = pattern[i]
         if ord(c) < 0x20:
             return repr(c)
+        if c == "[" or (c == "]" and in_class):
+            in_class = c == "["
         if c == "\\" and i + 1 < len(pattern):
             e = pattern[i + 1]
-            if e in "tnrfv0ae":
+            if e in "tnrfv0ae" or e == "b" and in_class:  # (\b: a backspace in a class, else a word boundary)
                 return pattern[i : i + 2]
             if e == "c" and i + 2 < len(pattern) and pattern[i + 2].isalpha():
                 return pattern[i : i + 3]
