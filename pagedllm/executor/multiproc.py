@@ -163,7 +163,7 @@ class MultiprocExecutor(Executor):
             self._accept_all(start_timeout)
             init = WorkerInit(config, num_blocks, num_swap_blocks, max_model_len, dist_addr, dist_port, load_model)
             self._broadcast(("init", init))
-            self.worker_reports = [self._recv(r, expect="ready")[1] for r in range(self.world)]
+            self.worker_reports = [reply[1] for reply in self._recv_all(expect="ready")]
             self._ready = True
         except BaseException:
             self.shutdown()
@@ -225,19 +225,27 @@ class MultiprocExecutor(Executor):
         for conn, rank in got:
             self.conns[rank] = conn
 
-    def _recv(self, rank: int, expect: str | None = None, deadline: float | None = None):
-        """The rank's next message; WorkerDeadError as soon as any local worker dies or the
-        rank's connection closes, or when ``deadline`` (time.monotonic) passes first."""
+    def _recv_all(self, expect: str | None = None) -> list[tuple]:
+        """Every rank's next message (in rank order), read as each arrives; WorkerDeadError as
+        soon as a local worker dies or a connection closes. Once one rank answers "error" the
+        others get STUCK_SECONDS, not forever: a rank that failed mid-step may leave its peers
+        waiting for it in a collective, and those never answer (whichever rank failed: reading
+        the ranks one by one waited on such a peer, with no deadline, when it came first)."""
         if self._dead is not None:
             raise WorkerDeadError(self._dead)
-        conn = self.conns[rank]
+        replies: dict[int, tuple] = {}
+        deadline: float | None = None
         sentinels = [p.sentinel for p in self.procs]
-        while True:
+        while len(replies) < self.world:
+            waiting = {self.conns[r]: r for r in range(self.world) if r not in replies}
             if deadline is not None and time.monotonic() > deadline:
-                self._die(f"worker {rank} did not answer within {STUCK_SECONDS:.0f} s of a peer's failure: "
-                          "stuck in a collective with it")  # fmt: skip
-            ready = wait([conn, *sentinels], timeout=POLL_SECONDS)
-            if conn in ready:
+                self._die(f"worker {min(waiting.values())} did not answer within {STUCK_SECONDS:.0f} s of a peer's "
+                          "failure: stuck in a collective with it")  # fmt: skip
+            ready = wait([*waiting, *sentinels], timeout=POLL_SECONDS)
+            for conn in ready:
+                if conn not in waiting:  # a sentinel: looked at once the answers are read
+                    continue
+                rank = waiting[conn]
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
@@ -245,9 +253,12 @@ class MultiprocExecutor(Executor):
                     self._die(f"worker {rank}'s connection closed")
                 if expect is not None and msg[0] != expect:
                     self._die(f"worker {rank} sent {msg[0]!r}, expected {expect!r}")
-                return msg
-            if ready:
+                replies[rank] = msg
+                if msg[0] == "error" and deadline is None:
+                    deadline = time.monotonic() + STUCK_SECONDS
+            if any(x in sentinels for x in ready):
                 self._check_local()
+        return [replies[r] for r in range(self.world)]
 
     def _send(self, rank: int, data: bytes) -> None:
         if self._dead is not None:
@@ -280,13 +291,7 @@ class MultiprocExecutor(Executor):
 
     def collect(self) -> ModelRunnerOutput:
         """Every rank answers each execute in order: read the oldest one's answers."""
-        replies, deadline = [], None
-        for r in range(self.world):
-            replies.append(self._recv(r, deadline=deadline))
-            if replies[-1][0] == "error" and deadline is None:
-                # A rank that failed mid-step may leave the others waiting for it in a
-                # collective (a later stage in its recv): give them a moment, not forever.
-                deadline = time.monotonic() + STUCK_SECONDS
+        replies = self._recv_all()
         errors = [reply[1] for reply in replies if reply[0] == "error"]
         if errors and len(errors) < self.world:
             # Some ranks failed where others did not: their collectives no longer pair up.

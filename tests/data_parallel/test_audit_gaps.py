@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import Pipe
 from types import SimpleNamespace
 
 import pytest
@@ -257,14 +258,19 @@ def test_zero_threads_is_refused():
 
 
 # ---------------------------------------------------------------- the executor's step collection
-def _executor(replies: list[tuple], world: int = 2) -> MultiprocExecutor:
+def _executor(replies: list[tuple | None], world: int = 2) -> MultiprocExecutor:
+    """An executor whose rank r has already sent replies[r] down its pipe (None: nothing)."""
     ex = object.__new__(MultiprocExecutor)
     ex.world, ex.pp, ex.tp = world, 1, world
     ex._dead, ex._closed, ex._ready = None, True, True  # (closed: _die's shutdown has nothing to stop)
     ex._allreduce_total, ex._num_steps = 0.0, 0
-    ex.procs, ex.conns = [], []
-    it = iter(replies)
-    ex._recv = lambda rank, expect=None, deadline=None: next(it)
+    ex.procs, ex.conns, ex._worker_ends = [], [], []
+    for reply in replies:
+        ours, theirs = Pipe()
+        if reply is not None:
+            theirs.send(reply)
+        ex.conns.append(ours)
+        ex._worker_ends.append(theirs)  # (kept open: a closed end reads as a dead worker)
     return ex
 
 
@@ -282,6 +288,30 @@ def test_a_step_failed_by_every_rank_is_an_error_by_some_a_death():
     assert not isinstance(e.value, WorkerDeadError)
     with pytest.raises(WorkerDeadError, match="1 of 2"):
         _executor([("ok", None, 0.0), ("error", "bad")]).collect()
+
+
+@pytest.mark.parametrize("failed", [0, 1])
+def test_a_rank_stuck_behind_a_failed_peer_gets_a_deadline_whichever_rank_failed(monkeypatch, failed):
+    """The healthy rank waits in a collective for the failed one and never answers. When the
+    failed rank was not the first, the executor waited for the healthy one with no deadline."""
+    import pagedllm.executor.multiproc as multiproc
+
+    monkeypatch.setattr(multiproc, "STUCK_SECONDS", 0.2)
+    replies: list[tuple | None] = [None, None]
+    replies[failed] = ("error", "bad")
+    ex, raised = _executor(replies), []
+
+    def collect() -> None:
+        try:
+            ex.collect()
+        except WorkerDeadError as e:
+            raised.append(e)
+
+    t = threading.Thread(target=collect, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "collect() still waits for the stuck rank"
+    assert len(raised) == 1 and f"worker {1 - failed} did not answer" in str(raised[0])
 
 
 def test_a_local_worker_that_exited_is_noticed_between_steps():

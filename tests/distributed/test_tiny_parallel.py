@@ -271,11 +271,13 @@ def test_ranks_pinned_to_their_own_cores(uneven_gqa, monkeypatch):
         llm.llm_engine.close()
 
 
-def test_a_fault_on_one_rank_ends_the_engine_without_hanging(uneven_gqa, monkeypatch):
-    """Rank 0 alone fails a step; rank 1 waits in its all-reduce for rank 0: the engine gives
-    it 10 s (STUCK_SECONDS), then stops, instead of waiting on a collective forever."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_fault_on_one_rank_ends_the_engine_without_hanging(uneven_gqa, monkeypatch, rank):
+    """One rank alone fails a step; the other waits in its all-reduce for it: the engine gives
+    it 10 s (STUCK_SECONDS), then stops, instead of waiting on a collective forever. (With the
+    fault on rank 1, the engine read rank 0's answer first, with no deadline: it hung.)"""
     mark = 77
-    monkeypatch.setenv("PAGEDLLM_WORKER_FAULT", f"0:{mark}")
+    monkeypatch.setenv("PAGEDLLM_WORKER_FAULT", f"{rank}:{mark}")
     llm = LLM(str(uneven_gqa), tensor_parallel_size=2, **ENGINE)
     try:
         assert len(_greedy(llm, _prompts((4,)), max_tokens=2)) == 1  # no mark: runs
