@@ -44,16 +44,17 @@ def choice_ebnf(choices: list[str]) -> str:
 
 def _structural_tag_args(tag: dict | str) -> tuple[Any, ...]:
     """vLLM's legacy form ({"structures": [{begin, schema, end}], "triggers": [...]}) as
-    xgrammar's (items, triggers); anything else is passed on as xgrammar's own JSON format."""
+    xgrammar's (items, triggers); anything else is passed on as xgrammar's own JSON format.
+    (Its errors are worded to follow the caller's "structured_outputs.structural_tag is invalid: ".)"""
     import xgrammar as xgr
 
     if isinstance(tag, str):
         try:
             tag = json.loads(tag)
         except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from e
+            raise ValueError(f"not valid JSON: {e}") from e
     if not isinstance(tag, dict):
-        raise ValueError("structured_outputs.structural_tag must be a JSON object")
+        raise ValueError("it must be a JSON object")
     if "structures" in tag:
         try:
             items = [
@@ -62,7 +63,7 @@ def _structural_tag_args(tag: dict | str) -> tuple[Any, ...]:
             ]
             return items, list(tag["triggers"])
         except (KeyError, TypeError) as e:
-            raise ValueError(f"structured_outputs.structural_tag: each structure needs begin, schema, end; "
+            raise ValueError(f"each structure needs begin, schema, end; "
                              f"and triggers are required ({e})") from e  # fmt: skip
     return (json.dumps(tag),)
 

@@ -66,7 +66,7 @@ def test_a_legacy_structural_tag_without_triggers_is_refused():
 
 @pytest.mark.parametrize("tag", ["[1]", '"text"', "17"])
 def test_a_structural_tag_that_is_not_an_object_is_refused_by_name(tag):
-    with pytest.raises(ValueError, match="structural_tag must be a JSON object"):
+    with pytest.raises(ValueError, match="structural_tag is invalid: it must be a JSON object"):
         parse(StructuredOutputsParams(structural_tag=tag))
 
 
