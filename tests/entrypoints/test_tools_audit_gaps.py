@@ -198,13 +198,17 @@ def test_a_template_that_reads_tools_gets_them_and_the_arguments_as_objects(defa
 
 # ------------------------------------------------------------------ bugs the audit found (fixed with these tests)
 @pytest.mark.parametrize("name,text", [("llama3_json", '<|python_tag|>{"name": "ping", "parameters": {}}'),
-                                       ("pythonic", "<|python_start|>[ping()]<|python_end|>")])  # fmt: skip
+                                       ("pythonic", "<|python_start|>[ping()]<|python_end|>"),
+                                       ("llama3_json", '\n {"name": "ping", "parameters": {}}'),
+                                       ("pythonic", " \n[ping()]")])  # fmt: skip
 @pytest.mark.parametrize("step", [1, 5, 1000])
 def test_a_streamed_reply_finds_the_same_calls_as_the_whole_reply(name, text, step):
     """extract() takes the model's call prefix (<|python_tag|>, <|python_start|>), but the
     stream decided "no call" from the first visible character "<", sent the call as content
-    and returned no calls: the same reply was tool_calls unstreamed and content streamed."""
-    assert [c.name for c in get_tool_parser(name).extract(text)[1]] == ["ping"]
+    and returned no calls: the same reply was tool_calls unstreamed and content streamed. And
+    whitespace before the calls was streamed as content, where the whole reply has none."""
+    content, calls = get_tool_parser(name).extract(text)
+    assert content is None and [c.name for c in calls] == ["ping"]
     stream = StreamingToolCalls(get_tool_parser(name))
     sent = "".join(stream.feed(text[i : i + step]) for i in range(0, len(text), step))
     rest, calls = stream.finish()

@@ -115,9 +115,11 @@ class _WholeReplyParser(ToolParser):
     tag = ""
 
     def call_start(self, text: str) -> int | None:
+        # At 0: the whitespace before the calls is theirs (the whole reply is the calls, so an
+        # unstreamed reply has no content), and holdback kept it back until now.
         stripped = text.lstrip()
         starts = stripped.startswith(self.first_char) or bool(self.tag) and stripped.startswith(self.tag)
-        return len(text) - len(stripped) if starts else None
+        return 0 if starts else None
 
     def holdback(self, text: str) -> int:
         stripped = text.lstrip()
