@@ -49,18 +49,12 @@ def test_tensor_parallel_logprobs_over_an_uneven_vocabulary(tmp_path):
     """Vocabulary 257 over 2 ranks (129 + 128 rows, the second padded to 129 for the gather):
     the padding column must be cut off the gathered logits, or it joins the softmax and every
     logprob shifts (greedy tokens alone do not show it, test_tensor_parallel_architectures)."""
-    from pagedllm import LLM, SamplingParams
-    from tests.distributed.test_tiny_parallel import ENGINE, _prompts
+    from pagedllm import SamplingParams
+    from tests.distributed.test_tiny_parallel import _prompts, one_process_and_tp2
 
     path = save_tiny_model(tmp_path / "v257", vocab_size=257, seed=5)
-    prompts = _prompts((3, 20))
     sp = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
-    ref = [o.outputs[0] for o in LLM(str(path), **ENGINE).generate(prompts, sp, use_tqdm=False)]
-    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
-    try:
-        got = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        llm.llm_engine.close()
+    ref, got = one_process_and_tp2(path, _prompts((3, 20)), sp)
     for mine, want in zip(got, ref):
         assert mine.token_ids == want.token_ids
         for a, b in zip(mine.logprobs, want.logprobs):

@@ -31,6 +31,19 @@ def _prompts(n=(1, 5, 17, 40)) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(3, 256, (k,), generator=g).tolist()} for k in n]
 
 
+def one_process_and_tp2(path, prompts, sp: SamplingParams, engine: dict = ENGINE, inspect=lambda llm: None) -> tuple[list, list]:
+    """Each prompt's first sample from the one-process engine and from TP=2 (``inspect`` sees
+    the TP engine before it closes)."""
+    ref = [o.outputs[0] for o in LLM(str(path), **engine).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(path), tensor_parallel_size=2, **engine)
+    try:
+        got = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        inspect(llm)
+    finally:
+        llm.llm_engine.close()
+    return ref, got
+
+
 def _greedy(llm: LLM, prompts, max_tokens: int = 8) -> list[list[int]]:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -243,17 +256,13 @@ def test_tensor_parallel_fused_and_moe(tmp_path, variant, model_type, overrides)
         (tmp_path / "gguf").mkdir()
         path = write_gguf(path, tmp_path / "gguf" / "phi3.gguf", "phi3", "Q8_0")
         engine.update(dtype="float32", dense_weights="no")
-    prompts = _prompts((3, 30))
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    ref = [o.outputs[0] for o in LLM(str(path), **engine).generate(prompts, sp, use_tqdm=False)]
-    llm = LLM(str(path), tensor_parallel_size=2, **engine)
-    try:
-        outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
-        exact = [assert_engines_agree(f"{variant} prompt {i}", mine, r) for i, (mine, r) in enumerate(zip(outs, ref))]
-        assert sum(exact) >= len(exact) - 1  # at most one near-tie flip
-        assert [r["num_heads"] for r in llm.llm_engine.executor.worker_reports] == [2, 2]
-    finally:
-        llm.llm_engine.close()
+    reports = []
+    ref, outs = one_process_and_tp2(path, _prompts((3, 30)), sp, engine,
+                                    inspect=lambda llm: reports.extend(llm.llm_engine.executor.worker_reports))  # fmt: skip
+    exact = [assert_engines_agree(f"{variant} prompt {i}", mine, r) for i, (mine, r) in enumerate(zip(outs, ref))]
+    assert sum(exact) >= len(exact) - 1  # at most one near-tie flip
+    assert [r["num_heads"] for r in reports] == [2, 2]
 
 
 def test_ranks_pinned_to_their_own_cores(uneven_gqa, monkeypatch):
