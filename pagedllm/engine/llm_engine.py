@@ -466,7 +466,10 @@ class LLMEngine:
         faulty request (``_execute``)."""
         if self._drained:  # results collected while a failed batch was isolated: in order
             sched_out, result = self._drained.popleft()
-            if result is None:
+            if result is None:  # re-run only what did not end meanwhile (aborted; EngineDeadError's caller)
+                sched_out.scheduled = [s for s in sched_out.scheduled if s.req_id in self.scheduler.requests]
+                if not sched_out.scheduled:
+                    return self.output_processor.make_outputs()
                 result = self._execute(sched_out)
             return self._finish_step(*self._still_live(sched_out, result))
         queue, depth = self._batch_queue, self.executor.max_concurrent_batches

@@ -156,6 +156,10 @@ class MultiprocExecutor(Executor):
         self.conns: list[Connection | None] = [None] * self.world
         self._allreduce_total = 0.0
         self._num_steps = 0
+        # Steps collected (or abandoned: a collect interrupted, e.g. by Ctrl-C) and step answers
+        # read from each rank: an abandoned step's late answers are skipped, not taken for the next's.
+        self._collected = 0
+        self._answered = [0] * self.world
         # Pipeline parallel: one batch per stage in flight (PAGEDLLM_PP_BATCH_QUEUE=0: one in all).
         overlap = self.pp > 1 and env_flag("PAGEDLLM_PP_BATCH_QUEUE", True)
         self.max_concurrent_batches = self.pp if overlap else 1
@@ -225,7 +229,7 @@ class MultiprocExecutor(Executor):
         for conn, rank in got:
             self.conns[rank] = conn
 
-    def _recv_all(self, expect: str | None = None) -> list[tuple]:
+    def _recv_all(self, expect: str | None = None, step: int | None = None) -> list[tuple]:
         """Every rank's next message (in rank order), read as each arrives; WorkerDeadError as
         soon as a local worker dies or a connection closes. Once one rank answers "error" the
         others get STUCK_SECONDS, not forever: a rank that failed mid-step may leave its peers
@@ -251,6 +255,10 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     self._check_local()
                     self._die(f"worker {rank}'s connection closed")
+                if step is not None:
+                    self._answered[rank] += 1
+                    if self._answered[rank] <= step:  # an abandoned step's answer
+                        continue
                 if expect is not None and msg[0] != expect:
                     self._die(f"worker {rank} sent {msg[0]!r}, expected {expect!r}")
                 replies[rank] = msg
@@ -291,7 +299,8 @@ class MultiprocExecutor(Executor):
 
     def collect(self) -> ModelRunnerOutput:
         """Every rank answers each execute in order: read the oldest one's answers."""
-        replies = self._recv_all()
+        step, self._collected = self._collected, self._collected + 1
+        replies = self._recv_all(step=step)
         errors = [reply[1] for reply in replies if reply[0] == "error"]
         if errors and len(errors) < self.world:
             # Some ranks failed where others did not: their collectives no longer pair up.

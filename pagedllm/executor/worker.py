@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +114,9 @@ def run_worker(rank: int, address: tuple[str, int], authkey: bytes, num_threads:
     # Ctrl-C reaches the whole process group: the engine decides when workers stop (they also
     # stop when its connection closes), so a graceful server shutdown is not a "dead worker".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The engine's process gone (SIGKILL, OOM killer) while this rank hangs, or waits in a
+    # collective for one that does: no control message ever ends it, so its parent's end must.
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="pagedllm-parent-watch").start()
     if cpus:
         os.sched_setaffinity(0, cpus)
     os.environ["PAGEDLLM_NUM_THREADS"] = str(num_threads)
@@ -137,6 +141,12 @@ def run_worker(rank: int, address: tuple[str, int], authkey: bytes, num_threads:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def own_swap_path(path: str | None, suffix: str) -> str | None:
@@ -182,18 +192,19 @@ def _build(rank: int, init: WorkerInit):
     return runner, ctx, report
 
 
-def injected_fault(rank: int) -> int | None:
-    """Tests only: ``PAGEDLLM_WORKER_FAULT=R:T`` makes rank R alone fail every step that runs a
-    prompt containing token T (the others go on into their collectives), as a fault on one
-    rank would. Unset: None, and the step pays one ``is None`` test."""
+def injected_fault(rank: int) -> tuple[int, str] | None:
+    """Tests only: ``PAGEDLLM_WORKER_FAULT=R[,R...]:T[:MODE]`` makes ranks R fail every step
+    that runs a prompt containing token T (the others go on into their collectives), as a
+    fault on those ranks would: MODE ``raise`` (the default) or ``sleep`` (hang for ever).
+    Unset: None, and the step pays one ``is None`` test."""
     spec = os.environ.get("PAGEDLLM_WORKER_FAULT")
     if not spec:
         return None
-    fault_rank, _, token = spec.partition(":")
-    return int(token) if int(fault_rank) == rank else None
+    fault_ranks, token, *mode = spec.split(":")
+    return (int(token), mode[0] if mode else "raise") if str(rank) in fault_ranks.split(",") else None
 
 
-def _serve(conn: Connection, runner, ctx, returns_output: bool, fault: int | None = None) -> None:
+def _serve(conn: Connection, runner, ctx, returns_output: bool, fault: tuple[int, str] | None = None) -> None:
     while True:
         msg = conn.recv()
         kind = msg[0]
@@ -202,7 +213,9 @@ def _serve(conn: Connection, runner, ctx, returns_output: bool, fault: int | Non
         elif kind == "execute":
             ctx.allreduce_seconds = 0.0
             try:
-                if fault is not None and any(fault in runner.requests[x.req_id].prompt_token_ids for x in msg[1].scheduled):
+                if fault is not None and any(fault[0] in runner.requests[x.req_id].prompt_token_ids for x in msg[1].scheduled):
+                    if fault[1] == "sleep":
+                        time.sleep(10**6)
                     raise RuntimeError("injected fault (PAGEDLLM_WORKER_FAULT)")
                 result = runner.execute(msg[1])
             except Exception as e:  # the engine isolates it (every rank saw the same step)

@@ -264,6 +264,7 @@ def _executor(replies: list[tuple | None], world: int = 2) -> MultiprocExecutor:
     ex.world, ex.pp, ex.tp = world, 1, world
     ex._dead, ex._closed, ex._ready = None, True, True  # (closed: _die's shutdown has nothing to stop)
     ex._allreduce_total, ex._num_steps = 0.0, 0
+    ex._collected, ex._answered = 0, [0] * world
     ex.procs, ex.conns, ex._worker_ends = [], [], []
     for reply in replies:
         ours, theirs = Pipe()
