@@ -52,7 +52,14 @@ from pagedllm.entrypoints.cli import main
     # nargs="+" takes a model path after --served-model-name for a name: said, not served by default.
     (["serve", "--served-model-name", "tiny", __file__], "--served-model-name took .* put the model before"),
 ])  # fmt: skip
-def test_bad_flag_values_are_usage_errors(argv, message, capsys):
+def test_bad_flag_values_are_usage_errors(argv, message, capsys, monkeypatch):
+    # A check that regressed would start a real server and hang the test: fail it instead.
+    import uvicorn
+
+    from pagedllm.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "run_server", lambda args, config: pytest.fail(f"{argv} was accepted"))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail(f"{argv} was accepted"))
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
