@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,26 @@ def pytest_collection_modifyitems(session, config, items):
     end, instead of one worker finishing the Gemma 3 oracle alone."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
+
+
+def within(seconds: float, fn, *args):
+    """fn(*args) on a daemon thread: its result, its exception, or a failure after ``seconds``
+    (a hang fails the test instead of blocking the run)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # handed back to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} still running after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -3,35 +3,15 @@ end (guarded by a thread and a deadline, so a hang fails instead of blocking the
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.faults import FaultInjector
+from tests.conftest import within
 from tests.distributed.test_tiny_parallel import ENGINE, _greedy, _prompts, uneven_gqa  # noqa: F401 (fixture)
 
 MARK = 77
-
-
-def _within(seconds: float, fn, *args):
-    """fn(*args) on a daemon thread; its result, its exception, or a failure after ``seconds``."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["result"] = fn(*args)
-        except BaseException as e:  # handed back to the test
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} still running after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
 
 
 def _run_to_end(engine) -> dict:
@@ -65,10 +45,10 @@ def test_pipeline_abort_of_a_request_in_a_failed_batch_awaiting_isolation(uneven
         assert waiting == [bad]
         for out in engine.abort_request(bad):
             done[out.request_id] = out
-        done.update(_within(60, _run_to_end, engine))
+        done.update(within(60, _run_to_end, engine))
         assert done[bad].outputs[0].finish_reason == "abort"
         assert done[good].outputs[0].token_ids == ref[0]
-        assert _within(60, _greedy, llm, _prompts((4,)), 4) == ref  # and the engine carries on
+        assert within(60, _greedy, llm, _prompts((4,)), 4) == ref  # and the engine carries on
     finally:
         engine.close()
 
@@ -83,8 +63,8 @@ def test_pipeline_after_an_unattributable_step_failure_the_next_request_runs(une
     try:
         ref = _greedy(llm, _prompts((4, 9)), max_tokens=4)
         with pytest.raises(EngineDeadError, match="every request on its own"):
-            _within(60, _greedy, llm, [{"prompt_token_ids": [10, MARK, 11 + i]} for i in range(4)], 4)
-        assert _within(60, _greedy, llm, _prompts((4, 9)), 4) == ref
+            within(60, _greedy, llm, [{"prompt_token_ids": [10, MARK, 11 + i]} for i in range(4)], 4)
+        assert within(60, _greedy, llm, _prompts((4, 9)), 4) == ref
         assert not llm.llm_engine._drained and not llm.llm_engine._batch_queue
     finally:
         llm.llm_engine.close()
@@ -118,8 +98,8 @@ def test_an_interrupted_step_leaves_no_stale_answers_for_the_next(uneven_gqa, mo
             _greedy(llm, _prompts((3, 9, 30)), max_tokens=40)
         monkeypatch.setattr(multiproc.MultiprocExecutor, "collect", real_collect)
         monkeypatch.setattr(multiproc, "wait", real_wait)
-        assert _within(60, _greedy, llm, prompts, 6) == ref
-        assert _within(60, _greedy, llm, prompts, 6) == ref
+        assert within(60, _greedy, llm, prompts, 6) == ref
+        assert within(60, _greedy, llm, prompts, 6) == ref
     finally:
         llm.llm_engine.close()
 
@@ -127,6 +107,7 @@ def test_an_interrupted_step_leaves_no_stale_answers_for_the_next(uneven_gqa, mo
 _ENGINE_SCRIPT = """
 import os, sys
 from pagedllm import LLM, SamplingParams
+from tests.conftest import within
 from tests.distributed.test_tiny_parallel import ENGINE
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], tensor_parallel_size=2, **ENGINE)
@@ -152,7 +133,7 @@ def test_workers_end_when_the_engine_process_is_killed(uneven_gqa, tmp_path):  #
                             stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
     pids: list[int] = []
     try:
-        line = _within(120, proc.stdout.readline)
+        line = within(120, proc.stdout.readline)
         pids = [int(p) for p in line.split()[1:]]
         assert line.startswith("PIDS") and len(pids) == 2
         time.sleep(3)  # rank 1 hangs in the step, rank 0 waits for it
